@@ -1,0 +1,15 @@
+"""Errors a user can act on. Each names what was wrong (file, tensor, argument) in one line."""
+
+
+class DeltaserveError(Exception):
+    """Base class of every error deltaserve raises on purpose."""
+
+
+class ModelLoadError(DeltaserveError, ValueError):
+    """A checkpoint could not be read: corrupt or truncated file, unknown architecture,
+    missing or mis-shaped tensor, unsupported tensor type."""
+
+    def __init__(self, path, problem: str, tensor: str | None = None):
+        self.path, self.problem, self.tensor = str(path), problem, tensor
+        where = f"{self.path}: tensor '{tensor}'" if tensor else self.path
+        super().__init__(f"{where}: {problem}")

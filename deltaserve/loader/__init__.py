@@ -1,0 +1,32 @@
+"""Checkpoint readers: GGUF files and Hugging Face safetensors directories, behind one interface.
+
+Both give `names()`, `has(name)`, `shape(name)`, `load(name, dtype, shape, device)` and
+`progress(names)`; a model builder loads tensor by tensor so only one copy of the weights exists.
+"""
+
+import os
+from pathlib import Path
+
+from deltaserve.errors import ModelLoadError
+from deltaserve.loader.gguf_file import GGUFCheckpoint
+from deltaserve.loader.quants import dequantize, quantize_q8_0
+from deltaserve.loader.safetensors_dir import SafetensorsCheckpoint
+
+__all__ = ["GGUFCheckpoint", "SafetensorsCheckpoint", "open_checkpoint", "dequantize",
+           "quantize_q8_0"]
+
+
+def open_checkpoint(path: str | os.PathLike) -> GGUFCheckpoint | SafetensorsCheckpoint:
+    """A `.gguf` file or a directory holding config.json; anything else is a ModelLoadError."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(path, "directory has no config.json (expected a Hugging Face "
+                                 "checkpoint directory)")
+        return SafetensorsCheckpoint(path)
+    if path.suffix.lower() == ".gguf":
+        return GGUFCheckpoint(path)
+    if not path.exists():
+        raise ModelLoadError(path, "no such file or directory")
+    raise ModelLoadError(path, "not a checkpoint: expected a .gguf file or a directory with "
+                         "config.json")

@@ -1,0 +1,127 @@
+"""A Hugging Face checkpoint directory: config.json plus one or several safetensors files."""
+
+import json
+import math
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from deltaserve.errors import ModelLoadError
+from deltaserve.loader.gguf_file import progress_over_bytes
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
+               "I16": 2, "U16": 2}  # everything else (8-bit ints and floats, bool) is 1 byte
+
+
+def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise ModelLoadError(path, f"{what} not found")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(path, f"{what} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ModelLoadError(path, f"{what} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+class SafetensorsCheckpoint:
+    """A directory with config.json and model.safetensors, or an index and its shards.
+
+    Headers are read up front (names, shapes); tensor data is read lazily, one tensor per load().
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise ModelLoadError(self.path, "not a checkpoint directory")
+        self.config: dict[str, Any] = _read_json(self.path / "config.json", "config.json")
+        weight_map = self._weight_map()
+        self._files = {shard: self._open(shard) for shard in sorted(set(weight_map.values()))}
+        self._where: dict[str, str] = {}
+        self._info: dict[str, tuple[tuple[int, ...], str]] = {}  # name -> (shape, dtype)
+        stored = {shard: set(f.keys()) for shard, f in self._files.items()}
+        for name, shard in weight_map.items():
+            f = self._files[shard]
+            if name not in stored[shard]:
+                raise ModelLoadError(self.path / shard, f"listed in {INDEX_FILE} but not in the "
+                                     "shard", tensor=name)
+            info = f.get_slice(name)
+            self._where[name] = shard
+            self._info[name] = (tuple(int(n) for n in info.get_shape()), info.get_dtype())
+
+    def _weight_map(self) -> dict[str, str]:
+        """Tensor name -> file name inside the directory."""
+        if (self.path / INDEX_FILE).is_file():
+            index = _read_json(self.path / INDEX_FILE, INDEX_FILE)
+            weight_map = index.get("weight_map")
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(v, str) for v in weight_map.values()):
+                raise ModelLoadError(self.path / INDEX_FILE, "has no 'weight_map' of tensor -> file")
+            for shard in sorted(set(weight_map.values())):
+                if not (self.path / shard).is_file():
+                    raise ModelLoadError(self.path / shard, f"shard listed in {INDEX_FILE} is missing")
+            return weight_map
+        if not (self.path / SINGLE_FILE).is_file():
+            raise ModelLoadError(self.path, f"no {SINGLE_FILE} and no {INDEX_FILE}")
+        with self._open(SINGLE_FILE) as f:
+            return {name: SINGLE_FILE for name in f.keys()}
+
+    def _open(self, shard: str):
+        try:
+            return safe_open(str(self.path / shard), framework="pt")
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(self.path / shard, f"corrupt safetensors file: {e}") from None
+
+    def __repr__(self) -> str:
+        return (f"SafetensorsCheckpoint('{self.path}', model_type="
+                f"{self.config.get('model_type')!r}, tensors={len(self._info)})")
+
+    def names(self) -> list[str]:
+        return list(self._info)
+
+    def has(self, name: str) -> bool:
+        return name in self._info
+
+    def _lookup(self, name: str) -> tuple[tuple[int, ...], str]:
+        try:
+            return self._info[name]
+        except KeyError:
+            raise ModelLoadError(self.path, "tensor not found in the checkpoint",
+                                 tensor=name) from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._lookup(name)[0]
+
+    def dtype(self, name: str) -> str:
+        """The stored safetensors dtype, e.g. 'BF16'."""
+        return self._lookup(name)[1]
+
+    def nbytes(self, name: str) -> int:
+        shape, dtype = self._lookup(name)
+        return math.prod(shape) * _ITEM_BYTES.get(dtype, 1)
+
+    def load(self, name: str, dtype: torch.dtype = torch.float32, shape=None,
+             device: torch.device | str | None = None) -> torch.Tensor:
+        """Tensor `name` as a contiguous `dtype` tensor; with `shape`, any other shape is an error."""
+        found = self.shape(name)
+        if shape is not None and tuple(int(s) for s in shape) != found:
+            raise ModelLoadError(self.path, f"expected shape {tuple(int(s) for s in shape)}, "
+                                 f"found {found}", tensor=name)
+        shard = self._where[name]
+        try:
+            tensor = self._files[shard].get_tensor(name)
+        except SafetensorError as e:
+            raise ModelLoadError(self.path / shard, f"cannot read tensor: {e}", tensor=name) from None
+        return tensor.to(device=device, dtype=dtype).contiguous()
+
+    def progress(self, names: Iterable[str], desc: str = "loading weights") -> Iterator[str]:
+        """Yield `names` while a progress bar (on a terminal) counts their stored bytes."""
+        names = list(names)
+        return progress_over_bytes(names, [self.nbytes(n) for n in names], desc)

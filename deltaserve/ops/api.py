@@ -1,0 +1,144 @@
+"""gated_delta_rule: argument checks, reset / in-place / packed handling, and the choice of path.
+
+State layout, everywhere in deltaserve: float32 [N, HV, K, V], one K x V matrix per sequence and value head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import fused as fused_mod
+from .checks import check_cu_seqlens, check_reset, fail
+from .chunk import chunk
+from .recurrent import recurrent
+from .reference import gated_delta_rule_reference
+
+BACKENDS = ("auto", "reference", "recurrent", "chunk", "fused")
+
+# Measured with `python -m deltaserve.bench.ops` on a 2-core AVX-512 Xeon (K = V = 128): the fused CPU kernel
+# is fastest at every T from 1 to 4096, so CPU always takes it when it compiled. On other devices (no fused
+# kernel) the chunked form wins from about 64 tokens up (ik_llama.cpp #1320 reports the same crossover).
+_RECURRENT_MAX_T = 32
+
+
+def choose_backend(q, T: int, needs_grad: bool) -> str:
+    if needs_grad:
+        return "chunk"  # the only differentiable fast path
+    if q.device.type == "cpu" and fused_mod.available():
+        return "fused"
+    return "recurrent" if T <= _RECURRENT_MAX_T else "chunk"
+
+
+def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, reset=None, cu_seqlens=None,
+                     inplace=False, snapshots=0, use_qk_l2norm=False, backend="auto"):
+    """The gated delta rule (see ops/reference.py for the math), in the fla layout.
+
+    q, k [B, T, H, K]; v [B, T, HV, V]; g log-decay [B, T, HV] (head-wise) or [B, T, HV, K] (per channel);
+    beta [B, T, HV]; initial_state [N, HV, K, V] float32 (N = B, or the number of packed sequences).
+    reset [N] bool: those sequences start from zero whatever initial_state holds.
+    cu_seqlens [N + 1]: packed variable-length sequences in one batch row (B = 1).
+    inplace: write the final state into initial_state (a cache slot) instead of a new tensor.
+    snapshots=K: also return the states after each of the last K tokens, [N, K, HV, K, V], newest first
+    (for a sequence shorter than K the older entries hold its initial state).
+    Returns (o [B, T, HV, V] in v's dtype, final state[, snapshots]).
+    """
+    B, T, N = _check(q, k, v, g, beta, initial_state, cu_seqlens, inplace, snapshots, backend)
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    scale = K ** -0.5 if scale is None else float(scale)
+    reset = check_reset(reset, N, q.device)
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, g, beta, initial_state))
+    if backend == "auto":
+        backend = choose_backend(q, T, needs_grad)
+
+    state = q.new_zeros(N, HV, K, V, dtype=torch.float32) if initial_state is None else initial_state
+    if reset is not None and initial_state is not None:
+        state = state.masked_fill(reset[:, None, None, None], 0)  # masked_fill, not multiply: NaN must not leak
+    if backend == "fused" and (state is initial_state and not inplace or not state.is_contiguous()):
+        state = state.clone(memory_format=torch.contiguous_format)  # the kernel writes its state argument
+
+    if backend == "reference":
+        bounds = ([(b, 0, T) for b in range(B)] if cu_seqlens is None else
+                  [(0, s, e) for s, e in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())])
+        o, final, snaps = gated_delta_rule_reference(q, k, v, g, beta, scale=scale, initial_state=state,
+                                                     seq_bounds=bounds, snapshots=snapshots,
+                                                     use_qk_l2norm=use_qk_l2norm)
+        final, snaps = final.float(), (snaps.float() if snaps is not None else None)
+    elif backend == "fused":
+        cu = cu_seqlens if cu_seqlens is not None else torch.arange(0, (B + 1) * T, T)
+        o, final, snaps = fused_mod.fused(*(x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)),
+                                          scale=scale, state=state, cu_seqlens=cu.cpu(), snapshots=snapshots,
+                                          use_qk_l2norm=use_qk_l2norm)
+        o = o.view(B, T, HV, V)
+    else:
+        fn = chunk if backend == "chunk" else recurrent
+        kw = dict(scale=scale, state=state, snapshots=snapshots, use_qk_l2norm=use_qk_l2norm)
+        if cu_seqlens is None:
+            o, final, snaps = fn(q, k, v, g, beta, **kw)
+        else:
+            padded, index = _left_pad(cu_seqlens, q, k, v, g, beta)
+            o, final, snaps = fn(*padded, **kw)
+            o = o.reshape(-1, HV, V)[index][None]
+
+    if inplace:
+        if final is not initial_state:
+            initial_state.copy_(final)
+        final = initial_state
+    o = o.to(v.dtype)
+    return (o, final, snaps) if snapshots else (o, final)
+
+
+def _left_pad(cu_seqlens, *xs):
+    """Packed [1, T, ...] tensors -> [N, Lmax, ...], each sequence right-aligned behind zeros. Zero steps
+    (k = v = 0, beta = 0, g = 0) are exact no-ops, and right alignment puts every sequence's last tokens
+    at the same steps, so snapshots line up. Returns the padded tensors and the index back to packed order."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    N, L = lens.numel(), int(lens.max())
+    seq_of = torch.repeat_interleave(torch.arange(N), lens.cpu())
+    pos = torch.arange(int(cu_seqlens[-1])) - cu_seqlens[:-1].cpu()[seq_of] + (L - lens.cpu()[seq_of])
+    index = (seq_of * L + pos).to(xs[0].device)
+    padded = []
+    for x in xs:
+        buf = x.new_zeros(N * L, *x.shape[2:])
+        buf[index] = x[0]
+        padded.append(buf.view(N, L, *x.shape[2:]))
+    return padded, index
+
+
+def _check(q, k, v, g, beta, initial_state, cu_seqlens, inplace, snapshots, backend):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    for name, x in dict(q=q, k=k, v=v, g=g, beta=beta).items():
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {type(x).__name__}"
+                             + (f" of {x.dtype}" if isinstance(x, torch.Tensor) else ""))
+        if x.device != q.device:
+            fail(name, f"is on {x.device} but q is on {q.device}", q=q, **{name: x})
+    if q.dim() != 4 or k.shape != q.shape:
+        fail("q, k", "must both be [B, T, H, K]", q=q, k=k)
+    B, T, H, K = q.shape
+    if v.dim() != 4 or v.shape[:2] != (B, T):
+        fail("v", f"must be [B, T, HV, V] with B, T = {B}, {T}", q=q, v=v)
+    HV = v.shape[2]
+    if HV % H:
+        fail("v", f"has HV = {HV} value heads, not a multiple of H = {H} key heads", q=q, v=v)
+    if beta.shape != (B, T, HV):
+        fail("beta", f"must be [B, T, HV] = [{B}, {T}, {HV}]", beta=beta)
+    if g.shape not in ((B, T, HV), (B, T, HV, K)):
+        fail("g", f"must be [B, T, HV] or [B, T, HV, K] = [{B}, {T}, {HV}(, {K})]", g=g)
+    N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T)
+    if initial_state is not None:
+        if initial_state.shape != (N, HV, K, v.shape[3]):
+            fail("initial_state", f"must be [N, HV, K, V] = [{N}, {HV}, {K}, {v.shape[3]}]",
+                 initial_state=initial_state)
+        if initial_state.dtype != torch.float32:
+            fail("initial_state", "must be float32", initial_state=initial_state)
+        if initial_state.device != q.device:
+            fail("initial_state", f"is on {initial_state.device} but q is on {q.device}",
+                 initial_state=initial_state)
+    if inplace and initial_state is None:
+        raise ValueError("inplace=True needs an initial_state to write into")
+    if not isinstance(snapshots, int) or snapshots < 0:
+        raise ValueError(f"snapshots must be a non-negative int, got {snapshots!r}")
+    return B, T, N

@@ -1,0 +1,65 @@
+"""Short causal depthwise conv1d with its state, run before the delta rule in every GDN / KDA layer.
+
+Layout: x [B, T, C] (channel-last, as projections produce it), weight [C, W], conv state [N, W-1, C]
+holding the last W-1 inputs of each sequence, oldest first (llama.cpp and vLLM keep W-1 too).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .checks import check_cu_seqlens, check_reset, fail
+
+
+def causal_conv1d(x, weight, bias=None, *, conv_state=None, reset=None, cu_seqlens=None, inplace=False,
+                  activation="silu"):
+    """y[t, c] = act(bias[c] + sum_w weight[c, w] * x[t - (W-1) + w, c]), inputs before the sequence taken
+    from conv_state. Returns (y [B, T, C] in x's dtype, new conv state [N, W-1, C])."""
+    if x.dim() != 3:
+        fail("x", "must be [B, T, C]", x=x)
+    B, T, Ch = x.shape
+    if weight.dim() != 2 or weight.shape[0] != Ch:
+        fail("weight", f"must be [C, W] with C = {Ch}", x=x, weight=weight)
+    if bias is not None and bias.shape != (Ch,):
+        fail("bias", f"must be [{Ch}]", bias=bias)
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation must be None or 'silu', got {activation!r}")
+    W = weight.shape[1]
+    N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T)
+    if conv_state is not None and conv_state.shape != (N, W - 1, Ch):
+        fail("conv_state", f"must be [N, W-1, C] = [{N}, {W - 1}, {Ch}]", conv_state=conv_state)
+    if conv_state is not None and conv_state.device != x.device:
+        fail("conv_state", f"must be on {x.device}", conv_state=conv_state)
+    if inplace and conv_state is None:
+        raise ValueError("inplace=True needs a conv_state to write into")
+    reset = check_reset(reset, N, x.device)
+
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    state = x.new_zeros(N, W - 1, Ch, dtype=dtype) if conv_state is None else conv_state.to(dtype)
+    if reset is not None:
+        state = state.masked_fill(reset[:, None, None], 0)  # masked_fill, not multiply: NaN must not leak
+
+    if cu_seqlens is None:
+        xp = torch.cat([state, x.to(dtype)], dim=1)  # [B, W-1+T, C]
+        y = sum(xp[:, w:w + T] * weight[:, w].to(dtype) for w in range(W))
+        new_state = xp[:, T:]
+    else:
+        # Packed: lay each sequence after its own state, [state_n | tokens_n], then read windows by index.
+        lens = cu_seqlens[1:] - cu_seqlens[:-1]
+        seq_of = torch.repeat_interleave(torch.arange(N, device=x.device), lens, output_size=T)
+        tok_pos = torch.arange(T, device=x.device) + (seq_of + 1) * (W - 1)  # token t's place in xp
+        starts = cu_seqlens[:-1] + torch.arange(N, device=x.device) * (W - 1)  # where state n begins
+        xp = x.new_empty(T + N * (W - 1), Ch, dtype=dtype)
+        xp[tok_pos] = x[0].to(dtype)
+        xp[(starts[:, None] + torch.arange(W - 1, device=x.device)).flatten()] = state.reshape(-1, Ch)
+        y = sum(xp[tok_pos - (W - 1) + w] * weight[:, w].to(dtype) for w in range(W))[None]
+        new_state = xp[(starts + lens)[:, None] + torch.arange(W - 1, device=x.device)]  # last W-1 of each block
+    if bias is not None:
+        y = y + bias.to(dtype)
+    if activation == "silu":
+        y = F.silu(y)
+    if inplace:
+        conv_state.copy_(new_state)
+        new_state = conv_state
+    return y.to(x.dtype), new_state

@@ -1,0 +1,373 @@
+"""Byte-level BPE tokenizer of the Qwen family: encoding, decoding, streaming and chat templates.
+
+Two sources give the same tokenizer: GGUF metadata (`tokenizer.ggml.*`, split the way llama.cpp
+splits it) and a Hugging Face directory (`tokenizer.json`). `train_bpe` makes small ones for
+random-weight test models and `Tokenizer.write_gguf` stores them so that llama.cpp loads them.
+Encoding runs in the `tokenizers` library; decoding maps each token to its bytes the way llama.cpp
+does (normal tokens through GPT-2's byte alphabet, added tokens as written, padding to nothing).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Iterable
+
+import jinja2
+import jinja2.ext
+from gguf import GGUFWriter, TokenType
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as _Backend
+
+from deltaserve.errors import DeltaserveError, ModelLoadError
+
+# llama.cpp's word splits (src/llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_QWEN2 and _QWEN35). They spell
+# the contractions out where Qwen's tokenizer.json has (?i:'s|'t|...). qwen35 keeps combining marks
+# (\p{M}) with the letters they modify instead of splitting them off as punctuation.
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+PRE_TOKENIZER_REGEX = {
+    "qwen2": _CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen35": _CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+# Tokens that end generation when the vocabulary has them, as llama.cpp decides (its EOG set).
+END_OF_GENERATION = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>",
+                     "<|end_of_text|>", "<|eom_id|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
+
+# Qwen's chat format, for test models: <|im_start|>role\ncontent<|im_end|>\n per message.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from the 256 byte values to printable characters (BPE works on these)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
+
+
+# str.translate table from alphabet characters back to bytes; a character below 256 that is not in
+# the alphabet maps past latin-1 so that the token falls back to its UTF-8 text, as HF does.
+_TO_BYTE = {ord(c): b for b, c in bytes_to_unicode().items()}
+_TO_BYTE.update({c: 0x100 for c in range(256) if c not in _TO_BYTE})
+_AS_TEXT = (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)
+
+
+def _token_bytes(text: str, kind: int) -> bytes:
+    if kind == TokenType.UNUSED:
+        return b""  # llama.cpp prints nothing for padding tokens
+    if kind in _AS_TEXT:
+        return text.encode()
+    try:
+        return text.translate(_TO_BYTE).encode("latin-1")
+    except UnicodeEncodeError:
+        return text.encode()
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    if pre not in PRE_TOKENIZER_REGEX:
+        known = ", ".join(PRE_TOKENIZER_REGEX)
+        raise DeltaserveError(f"tokenizer.ggml.pre '{pre}' is not supported (known: {known})")
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRE_TOKENIZER_REGEX[pre]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+
+
+class Tokenizer:
+    """Byte-level BPE tokenizer. Build it with `from_gguf_metadata`, `from_hf_dir` or `train_bpe`.
+
+    `tokens[i]` / `token_types[i]` describe id i (gguf.TokenType); CONTROL and UNKNOWN tokens are the
+    special ones that `skip_special_tokens` drops, UNUSED ones are padding rows that decode to "".
+    """
+
+    def __init__(self, backend: _Backend, tokens: list[str], token_types: list[int], *,
+                 eos_token_id: int | None, bos_token_id: int | None = None,
+                 pad_token_id: int | None = None, add_bos: bool = False,
+                 chat_template: str | None = None, extra_eos_ids: Iterable[int] = (),
+                 pre: str | None = None):
+        self._backend, self.tokens, self.token_types = backend, tokens, token_types
+        self.eos_token_id, self.bos_token_id, self.pad_token_id = eos_token_id, bos_token_id, pad_token_id
+        self.add_bos, self.chat_template, self.pre = add_bos, chat_template, pre
+        self._pieces = [_token_bytes(t, k) for t, k in zip(tokens, token_types)]
+        self._special = {i for i, k in enumerate(token_types) if k in (TokenType.CONTROL, TokenType.UNKNOWN)}
+        named = (backend.token_to_id(name) for name in END_OF_GENERATION)
+        self.eos_token_ids = {i for i in (eos_token_id, *extra_eos_ids, *named) if i is not None}
+        self._template: tuple[str, jinja2.Template] | None = None  # (source, compiled)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def special_token_texts(self) -> dict[str, str | None]:
+        """bos/eos/pad as text, the names chat templates and tokenizer_config.json use."""
+        ids = {"bos_token": self.bos_token_id, "eos_token": self.eos_token_id, "pad_token": self.pad_token_id}
+        return {name: None if i is None else self.tokens[i] for name, i in ids.items()}
+
+    # -- construction --------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: dict) -> Tokenizer:
+        """From GGUF key/values as Python values (`tokenizer.ggml.tokens` a list of str, ...)."""
+        def get(key, default=None):
+            return metadata.get("tokenizer.ggml." + key, default)
+
+        model = get("model")
+        if model != "gpt2":
+            raise DeltaserveError(f"tokenizer.ggml.model '{model}' is not supported (only 'gpt2', byte-level BPE)")
+        pre = get("pre")
+        pre_tokenizer = _pre_tokenizer(pre)
+        tokens, merges = [str(t) for t in get("tokens", [])], [str(m) for m in get("merges", [])]
+        if not tokens or not merges:
+            raise DeltaserveError("GGUF metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+        types = [int(t) for t in get("token_type", [TokenType.NORMAL] * len(tokens))]
+        if len(types) != len(tokens):
+            raise DeltaserveError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+        vocab = {t: i for i, t in enumerate(tokens)}
+        if len(vocab) != len(tokens):
+            dup = next(t for i, t in enumerate(tokens) if vocab[t] != i)
+            raise DeltaserveError(f"tokenizer.ggml.tokens has '{dup}' twice")
+        # llama.cpp splits "a b" at the first space after the first character.
+        pairs = [(m[:cut], m[cut + 1:]) for m in merges if (cut := m.find(" ", 1)) > 0]
+        backend = _Backend(models.BPE(vocab=vocab, merges=pairs))
+        backend.pre_tokenizer, backend.decoder = pre_tokenizer, decoders.ByteLevel()
+        # Every id keeps its GGUF position: the added tokens already sit in the BPE vocabulary.
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t, k in zip(tokens, types) if k in (TokenType.CONTROL, TokenType.UNKNOWN)])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                            for t, k in zip(tokens, types) if k == TokenType.USER_DEFINED])
+
+        def token_id(key):
+            value = get(key)
+            return None if value is None or not 0 <= int(value) < len(tokens) else int(value)
+
+        return cls(backend, tokens, types, eos_token_id=token_id("eos_token_id"),
+                   bos_token_id=token_id("bos_token_id"), pad_token_id=token_id("padding_token_id"),
+                   add_bos=bool(get("add_bos_token", False)), chat_template=metadata.get("tokenizer.chat_template"),
+                   extra_eos_ids=[i for i in [token_id("eot_token_id")] if i is not None], pre=pre)
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """From a Hugging Face checkpoint folder: tokenizer.json, tokenizer_config.json (chat
+        template, eos/bos/pad), chat_template.jinja and generation_config.json (eos ids) if present."""
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise ModelLoadError(path, "no tokenizer.json")
+        spec = _read_json(file)
+        model, decoder = (spec.get("model") or {}).get("type"), (spec.get("decoder") or {}).get("type")
+        if model != "BPE" or decoder != "ByteLevel":
+            raise ModelLoadError(file, f"model '{model}' with decoder '{decoder}' is not byte-level BPE")
+        try:
+            backend = _Backend.from_file(str(file))
+        except Exception as error:  # the Rust side raises plain Exception
+            raise ModelLoadError(file, f"tokenizers cannot load it: {error}") from error
+        backend.no_padding()
+        backend.no_truncation()
+        config, generation = _read_json(path / "tokenizer_config.json"), _read_json(path / "generation_config.json")
+
+        tokens = [""] * backend.get_vocab_size(with_added_tokens=True)
+        types = [int(TokenType.UNUSED)] * len(tokens)
+        for text, i in backend.get_vocab(with_added_tokens=True).items():
+            tokens[i], types[i] = text, TokenType.NORMAL
+        for i, added in backend.get_added_tokens_decoder().items():
+            types[i] = TokenType.CONTROL if added.special else TokenType.USER_DEFINED
+
+        def token_id(value):  # tokenizer_config writes a token as "text" or {"content": "text", ...}
+            text = value.get("content") if isinstance(value, dict) else value
+            return None if text is None else backend.token_to_id(text)
+
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            template = {t["name"]: t["template"] for t in template}.get("default")
+        if template is None and (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        eos = generation.get("eos_token_id")  # an id, a list of ids, or absent
+        return cls(backend, tokens, types, eos_token_id=token_id(config.get("eos_token")),
+                   bos_token_id=token_id(config.get("bos_token")), pad_token_id=token_id(config.get("pad_token")),
+                   add_bos=bool(config.get("add_bos_token", False)), chat_template=template,
+                   extra_eos_ids=[] if eos is None else [eos] if isinstance(eos, int) else eos)
+
+    # -- text <-> ids --------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text ("<|im_start|>") become single
+        ids, as llama.cpp does with parse_special=True; add_special_tokens prepends BOS if the
+        tokenizer asks for it (Qwen does not)."""
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = False) -> bytes:
+        """The bytes token `token_id` stands for (possibly part of a UTF-8 character)."""
+        token_id = int(token_id)
+        if not 0 <= token_id < len(self._pieces):
+            raise DeltaserveError(f"token id {token_id} is outside the vocabulary (size {len(self._pieces)})")
+        return b"" if skip_special_tokens and token_id in self._special else self._pieces[token_id]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids`; bytes that do not form valid UTF-8 become U+FFFD."""
+        data = b"".join(self.token_bytes(i, skip_special_tokens) for i in ids)
+        return data.decode("utf-8", errors="replace")
+
+    def stream(self, skip_special_tokens: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, skip_special_tokens)
+
+    # -- chat ----------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """Render `messages` with the checkpoint's Jinja chat template, as transformers does
+        (sandboxed; raise_exception, tojson, loop controls, namespace, strftime_now). `kwargs`
+        become template variables (tools=..., enable_thinking=...)."""
+        if self.chat_template is None:
+            raise DeltaserveError("this tokenizer has no chat template (no tokenizer.chat_template in the "
+                                  "GGUF, no chat_template in tokenizer_config.json); set .chat_template")
+        if self._template is None or self._template[0] != self.chat_template:
+            self._template = (self.chat_template, _compile_template(self.chat_template))
+        context = {name: text for name, text in self.special_token_texts.items() if text is not None}
+        try:
+            return self._template[1].render({**context, **kwargs, "messages": messages,
+                                             "add_generation_prompt": add_generation_prompt})
+        except jinja2.TemplateError as error:
+            raise DeltaserveError(f"chat template failed: {error}") from error
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def save_hf_dir(self, path: str | Path) -> None:
+        """Write tokenizer.json and tokenizer_config.json into `path` (made if missing)."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "tokenizer.json").write_text(self._backend.to_str(), encoding="utf-8")
+        config = self.special_token_texts | {"add_bos_token": self.add_bos, "chat_template": self.chat_template,
+                   "tokenizer_class": "PreTrainedTokenizerFast"}
+        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+
+    def gguf_fields(self, pad_to: int | None = None, pre: str | None = None) -> dict:
+        """The tokenizer.* GGUF key/values. `pad_to` pads the token list with UNUSED "[PAD<id>]"
+        tokens (as convert_hf_to_gguf.py does) so that llama.cpp's n_vocab equals the embedding rows."""
+        pre = pre or self.pre or "qwen2"
+        _pre_tokenizer(pre)  # names an unknown pre-tokenizer
+        tokens, types = list(self.tokens), [int(k) for k in self.token_types]
+        if pad_to is not None:
+            if pad_to < len(tokens):
+                raise DeltaserveError(f"pad_to={pad_to} is smaller than the vocabulary ({len(tokens)} tokens)")
+            padding = [f"[PAD{i}]" for i in range(len(tokens), pad_to)]
+            if clash := set(padding) & set(tokens):
+                raise DeltaserveError(f"padding token {sorted(clash)[0]} is already in the vocabulary")
+            tokens += padding
+            types += [int(TokenType.UNUSED)] * len(padding)
+        merges = json.loads(self._backend.to_str())["model"]["merges"]
+        fields = {
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.pre": pre,
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in merges],
+            "tokenizer.ggml.add_bos_token": self.add_bos,
+        }
+        ids = {"eos_token_id": self.eos_token_id, "bos_token_id": self.bos_token_id,
+               "padding_token_id": self.pad_token_id}
+        fields |= {f"tokenizer.ggml.{k}": i for k, i in ids.items() if i is not None}
+        if self.chat_template is not None:
+            fields["tokenizer.chat_template"] = self.chat_template
+        return fields
+
+    def write_gguf(self, writer: GGUFWriter, pad_to: int | None = None, pre: str | None = None) -> None:
+        """Add the tokenizer keys to `writer` with the value types llama.cpp reads."""
+        fields = {k.removeprefix("tokenizer.ggml."): v for k, v in self.gguf_fields(pad_to, pre).items()}
+        writer.add_tokenizer_model(fields["model"])
+        writer.add_tokenizer_pre(fields["pre"])
+        writer.add_token_list(fields["tokens"])
+        writer.add_token_types(fields["token_type"])  # int32, as llama.cpp requires
+        writer.add_token_merges(fields["merges"])
+        writer.add_add_bos_token(fields["add_bos_token"])
+        for key, add in (("eos_token_id", writer.add_eos_token_id), ("bos_token_id", writer.add_bos_token_id),
+                         ("padding_token_id", writer.add_pad_token_id)):
+            if key in fields:
+                add(fields[key])
+        if "tokenizer.chat_template" in fields:
+            writer.add_chat_template(fields["tokenizer.chat_template"])
+
+
+class StreamDecoder:
+    """Turns token ids, fed one at a time, into text pieces that never split a UTF-8 character:
+    bytes of an unfinished character wait for the tokens that complete it. The pieces followed by
+    `flush()` join to exactly `tokenizer.decode(ids)`."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        self._tokenizer, self._skip = tokenizer, skip_special_tokens
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        return self._utf8.decode(self._tokenizer.token_bytes(token_id, self._skip))
+
+    def flush(self) -> str:
+        """Whatever is still held back (an unfinished character becomes U+FFFD)."""
+        return self._utf8.decode(b"", final=True)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int,
+              special_tokens: Iterable[str] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")) -> Tokenizer:
+    """A small byte-level BPE tokenizer learnt from `texts` (qwen2 split, full byte alphabet, so
+    any text encodes), for random-weight test models. Special tokens take the first ids; eos is
+    <|im_end|> (else <|endoftext|>), bos and pad <|endoftext|> (never added, as in Qwen's GGUFs),
+    and the chat template ChatML when those tokens are given."""
+    special_tokens = list(special_tokens)
+    if vocab_size < len(special_tokens) + 256:
+        raise DeltaserveError(f"vocab_size={vocab_size} cannot hold the 256 bytes and "
+                              f"{len(special_tokens)} special tokens")
+    backend = _Backend(models.BPE())
+    backend.pre_tokenizer, backend.decoder = _pre_tokenizer("qwen2"), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in special_tokens])
+    backend.train_from_iterator(texts, trainer)
+
+    tokens = [""] * backend.get_vocab_size(with_added_tokens=True)
+    for text, i in backend.get_vocab(with_added_tokens=True).items():
+        tokens[i] = text
+    types = [TokenType.CONTROL if t in special_tokens else TokenType.NORMAL for t in tokens]
+    ids = {t: i for i, t in enumerate(tokens) if t in special_tokens}
+    eos = ids.get("<|im_end|>", ids.get("<|endoftext|>"))
+    chatml = "<|im_start|>" in ids and "<|im_end|>" in ids
+    return Tokenizer(backend, tokens, types, eos_token_id=eos, bos_token_id=ids.get("<|endoftext|>"),
+                     pad_token_id=ids.get("<|endoftext|>"),
+                     chat_template=CHATML_TEMPLATE if chatml else None, pre="qwen2")
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ModelLoadError(path, f"not valid JSON: {error}") from error
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """The environment transformers renders chat templates in (trim_blocks, lstrip_blocks)."""
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # jinja's own tojson escapes HTML characters, which chat templates do not want
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as error:
+        raise DeltaserveError(f"chat template does not parse: {error} (line {error.lineno})") from error

@@ -1,0 +1,94 @@
+"""causal_conv1d against torch's own conv1d (an independent implementation) on the full history."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltaserve.ops import causal_conv1d
+
+
+def torch_reference(history, weight, bias, silu=True):
+    """history [T, C] including the state rows; returns the conv over all of it, [T - (W-1), C]."""
+    C, W = weight.shape
+    y = F.conv1d(history.double().T[None], weight.double()[:, None], None if bias is None else bias.double(),
+                 groups=C)[0].T
+    return F.silu(y) if silu else y
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("W", [2, 4], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("T", [1, 2, 3, 37], ids=lambda t: f"T{t}")
+def test_matches_conv1d_with_state(T, W, with_bias):
+    B, C = 2, 13
+    x, w, state = torch.randn(B, T, C), torch.randn(C, W), torch.randn(B, W - 1, C)
+    bias = torch.randn(C) if with_bias else None
+    y, new_state = causal_conv1d(x, w, bias, conv_state=state)
+    for b in range(B):
+        history = torch.cat([state[b], x[b]])
+        torch.testing.assert_close(y[b].double(), torch_reference(history, w, bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(new_state[b], history[-(W - 1):])
+
+
+def test_no_state_means_zero_history():
+    x, w = torch.randn(1, 9, 6), torch.randn(6, 4)
+    y, s = causal_conv1d(x, w, activation=None)
+    ref = torch_reference(torch.cat([torch.zeros(3, 6), x[0]]), w, None, silu=False)
+    torch.testing.assert_close(y[0].double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s[0], x[0, -3:])
+
+
+def test_split_calls_equal_one_call():
+    x, w, state = torch.randn(2, 30, 7), torch.randn(7, 4), torch.randn(2, 3, 7)
+    y_all, s_all = causal_conv1d(x, w, conv_state=state)
+    s, ys = state.clone(), []
+    for a, b in [(0, 1), (1, 3), (3, 4), (4, 30)]:
+        y, s = causal_conv1d(x[:, a:b], w, conv_state=s, inplace=True)
+        ys.append(y)
+    torch.testing.assert_close(torch.cat(ys, 1), y_all)
+    torch.testing.assert_close(s, s_all)
+
+
+@pytest.mark.parametrize("lens", [(4, 1, 9), (0, 2, 5), (1, 1, 1, 1)], ids=lambda l: "lens" + "-".join(map(str, l)))
+def test_packed_equals_separate(lens):
+    C, W = 5, 4
+    T = sum(lens)
+    x, w, state = torch.randn(1, T, C), torch.randn(C, W), torch.randn(len(lens), W - 1, C)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    y, new_state = causal_conv1d(x, w, conv_state=state, cu_seqlens=cu)
+    for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        y_n, s_n = causal_conv1d(x[:, a:b], w, conv_state=state[n:n + 1])
+        torch.testing.assert_close(y[:, a:b], y_n)
+        torch.testing.assert_close(new_state[n:n + 1], s_n)
+
+
+def test_reset_ignores_garbage_and_inplace_writes_slot():
+    x, w = torch.randn(3, 5, 4), torch.randn(4, 4)
+    state = torch.randn(3, 3, 4)
+    state[0] = float("nan")
+    expected_y, expected_s = causal_conv1d(x, w, conv_state=torch.cat([torch.zeros(1, 3, 4), state[1:]]))
+    y, s = causal_conv1d(x, w, conv_state=state, reset=torch.tensor([True, False, False]), inplace=True)
+    assert s is state
+    torch.testing.assert_close(y, expected_y)
+    torch.testing.assert_close(state, expected_s)
+
+
+def test_bfloat16_input_keeps_dtype():
+    x, w = torch.randn(1, 6, 8, dtype=torch.bfloat16), torch.randn(8, 4)
+    y, _ = causal_conv1d(x, w)
+    assert y.dtype == torch.bfloat16
+    ref = torch_reference(torch.cat([torch.zeros(3, 8), x[0].float()]), w, None)
+    torch.testing.assert_close(y[0].double(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(x=torch.zeros(2, 5)), r"x must be \[B, T, C\]"),
+    (dict(weight=torch.zeros(5, 4)), r"weight must be \[C, W\] with C = 6"),
+    (dict(conv_state=torch.zeros(1, 4, 6)), r"conv_state must be \[N, W-1, C\] = \[1, 3, 6\]"),
+    (dict(activation="gelu"), r"activation must be None or 'silu'"),
+    (dict(inplace=True), r"inplace=True needs a conv_state"),
+], ids=["x_rank", "weight", "state", "activation", "inplace"])
+def test_bad_arguments(kwargs, match):
+    args = dict(x=torch.zeros(1, 5, 6), weight=torch.zeros(6, 4))
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        causal_conv1d(args.pop("x"), args.pop("weight"), **args)
