@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fused as fused_mod
-from .checks import check_cu_seqlens, check_reset, fail
+from .checks import check_cu_seqlens, check_reset, check_state_indices, fail
 from .chunk import chunk
 from .recurrent import recurrent
 from .reference import gated_delta_rule_reference
@@ -31,19 +31,20 @@ def choose_backend(q, T: int, needs_grad: bool) -> str:
 
 
 def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, reset=None, cu_seqlens=None,
-                     inplace=False, snapshots=0, use_qk_l2norm=False, backend="auto"):
+                     state_indices=None, inplace=False, snapshots=0, use_qk_l2norm=False, backend="auto"):
     """The gated delta rule (see ops/reference.py for the math), in the fla layout.
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g log-decay [B, T, HV] (head-wise) or [B, T, HV, K] (per channel);
     beta [B, T, HV]; initial_state [N, HV, K, V] float32 (N = B, or the number of packed sequences).
     reset [N] bool: those sequences start from zero whatever initial_state holds.
     cu_seqlens [N + 1]: packed variable-length sequences in one batch row (B = 1).
-    inplace: write the final state into initial_state (a cache slot) instead of a new tensor.
+    state_indices [N]: initial_state is a cache of S >= N slots and sequence n uses slot state_indices[n].
+    inplace: write the final state into initial_state (the cache) instead of a new tensor.
     snapshots=K: also return the states after each of the last K tokens, [N, K, HV, K, V], newest first
     (for a sequence shorter than K the older entries hold its initial state).
     Returns (o [B, T, HV, V] in v's dtype, final state[, snapshots]).
     """
-    B, T, N = _check(q, k, v, g, beta, initial_state, cu_seqlens, inplace, snapshots, backend)
+    B, T, N = _check(q, k, v, g, beta, initial_state, cu_seqlens, state_indices, inplace, snapshots, backend)
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     scale = K ** -0.5 if scale is None else float(scale)
     reset = check_reset(reset, N, q.device)
@@ -52,11 +53,23 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, reset=
     if backend == "auto":
         backend = choose_backend(q, T, needs_grad)
 
-    state = q.new_zeros(N, HV, K, V, dtype=torch.float32) if initial_state is None else initial_state
-    if reset is not None and initial_state is not None:
-        state = state.masked_fill(reset[:, None, None, None], 0)  # masked_fill, not multiply: NaN must not leak
-    if backend == "fused" and (state is initial_state and not inplace or not state.is_contiguous()):
-        state = state.clone(memory_format=torch.contiguous_format)  # the kernel writes its state argument
+    cache, idx = initial_state, state_indices
+    # The fused kernel reads and writes cache slots where they lie; the torch paths get the rows gathered.
+    direct = backend == "fused" and inplace and cache is not None and cache.is_contiguous()
+    if cache is None:
+        state = q.new_zeros(N, HV, K, V, dtype=torch.float32)
+    elif direct:
+        state = cache
+        if reset is not None:  # masked_fill, not multiply: NaN must not leak
+            rows = torch.arange(N, device=q.device) if idx is None else idx
+            state.index_fill_(0, rows[reset], 0)
+    else:
+        state = cache if idx is None else cache[idx]
+        if reset is not None:
+            state = state.masked_fill(reset[:, None, None, None], 0)
+        if backend == "fused" and (state is cache or not state.is_contiguous()):
+            state = state.clone(memory_format=torch.contiguous_format)  # the kernel writes its state argument
+        idx = None  # rows are gathered: state row n is sequence n
 
     if backend == "reference":
         bounds = ([(b, 0, T) for b in range(B)] if cu_seqlens is None else
@@ -69,7 +82,7 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, reset=
         cu = cu_seqlens if cu_seqlens is not None else torch.arange(0, (B + 1) * T, T)
         o, final, snaps = fused_mod.fused(*(x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)),
                                           scale=scale, state=state, cu_seqlens=cu.cpu(), snapshots=snapshots,
-                                          use_qk_l2norm=use_qk_l2norm)
+                                          use_qk_l2norm=use_qk_l2norm, state_indices=idx)
         o = o.view(B, T, HV, V)
     else:
         fn = chunk if backend == "chunk" else recurrent
@@ -82,9 +95,12 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, reset=
             o = o.reshape(-1, HV, V)[index][None]
 
     if inplace:
-        if final is not initial_state:
-            initial_state.copy_(final)
-        final = initial_state
+        if final is not cache:
+            if state_indices is None:
+                cache.copy_(final)
+            else:
+                cache.index_copy_(0, state_indices, final)
+        final = cache
     o = o.to(v.dtype)
     return (o, final, snaps) if snapshots else (o, final)
 
@@ -106,7 +122,7 @@ def _left_pad(cu_seqlens, *xs):
     return padded, index
 
 
-def _check(q, k, v, g, beta, initial_state, cu_seqlens, inplace, snapshots, backend):
+def _check(q, k, v, g, beta, initial_state, cu_seqlens, state_indices, inplace, snapshots, backend):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     for name, x in dict(q=q, k=k, v=v, g=g, beta=beta).items():
@@ -128,9 +144,13 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens, inplace, snapshots, back
     if g.shape not in ((B, T, HV), (B, T, HV, K)):
         fail("g", f"must be [B, T, HV] or [B, T, HV, K] = [{B}, {T}, {HV}(, {K})]", g=g)
     N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T)
+    if state_indices is not None:
+        check_state_indices(state_indices, N, initial_state)
     if initial_state is not None:
-        if initial_state.shape != (N, HV, K, v.shape[3]):
-            fail("initial_state", f"must be [N, HV, K, V] = [{N}, {HV}, {K}, {v.shape[3]}]",
+        rows = initial_state.shape[0] if state_indices is not None else N
+        if initial_state.shape != (rows, HV, K, v.shape[3]):
+            fail("initial_state", f"must be [N, HV, K, V] = [{N}, {HV}, {K}, {v.shape[3]}]"
+                 + (" (or [S, ...] with state_indices)" if state_indices is None else ""),
                  initial_state=initial_state)
         if initial_state.dtype != torch.float32:
             fail("initial_state", "must be float32", initial_state=initial_state)

@@ -32,3 +32,19 @@ def check_reset(reset, N: int, device) -> torch.Tensor | None:
     if reset.shape != (N,) or reset.dtype != torch.bool:
         fail("reset", f"must be a bool tensor [N] = [{N}]", reset=reset)
     return reset
+
+
+def check_state_indices(state_indices, N: int, cache) -> None:
+    """Sequence n uses cache row state_indices[n]: distinct rows, in range."""
+    if cache is None:
+        raise ValueError("state_indices needs a cache passed as initial_state / conv_state")
+    if not isinstance(state_indices, torch.Tensor) or state_indices.dtype != torch.int64 or state_indices.shape != (N,):
+        raise ValueError(f"state_indices must be an int64 tensor [N] = [{N}], got "
+                         f"{getattr(state_indices, 'dtype', type(state_indices).__name__)} "
+                         f"{tuple(getattr(state_indices, 'shape', ()))}")
+    if state_indices.device != cache.device:
+        fail("state_indices", f"must be on {cache.device}", state_indices=state_indices)
+    if N and (int(state_indices.min()) < 0 or int(state_indices.max()) >= cache.shape[0]):
+        raise ValueError(f"state_indices {state_indices.tolist()} must lie in [0, {cache.shape[0]})")
+    if state_indices.unique().numel() != N:
+        raise ValueError(f"state_indices {state_indices.tolist()} must be distinct")

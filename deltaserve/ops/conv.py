@@ -9,13 +9,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import check_cu_seqlens, check_reset, fail
+from .checks import check_cu_seqlens, check_reset, check_state_indices, fail
 
 
-def causal_conv1d(x, weight, bias=None, *, conv_state=None, reset=None, cu_seqlens=None, inplace=False,
-                  activation="silu"):
+def causal_conv1d(x, weight, bias=None, *, conv_state=None, reset=None, cu_seqlens=None, state_indices=None,
+                  inplace=False, activation="silu"):
     """y[t, c] = act(bias[c] + sum_w weight[c, w] * x[t - (W-1) + w, c]), inputs before the sequence taken
-    from conv_state. Returns (y [B, T, C] in x's dtype, new conv state [N, W-1, C])."""
+    from conv_state. state_indices [N]: conv_state is a cache of S slots, sequence n uses slot state_indices[n].
+    Returns (y [B, T, C] in x's dtype, new conv state [N, W-1, C], or the whole cache when inplace)."""
     if x.dim() != 3:
         fail("x", "must be [B, T, C]", x=x)
     B, T, Ch = x.shape
@@ -27,7 +28,10 @@ def causal_conv1d(x, weight, bias=None, *, conv_state=None, reset=None, cu_seqle
         raise ValueError(f"activation must be None or 'silu', got {activation!r}")
     W = weight.shape[1]
     N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T)
-    if conv_state is not None and conv_state.shape != (N, W - 1, Ch):
+    if state_indices is not None:
+        check_state_indices(state_indices, N, conv_state)
+    rows = conv_state.shape[0] if state_indices is not None else N
+    if conv_state is not None and conv_state.shape != (rows, W - 1, Ch):
         fail("conv_state", f"must be [N, W-1, C] = [{N}, {W - 1}, {Ch}]", conv_state=conv_state)
     if conv_state is not None and conv_state.device != x.device:
         fail("conv_state", f"must be on {x.device}", conv_state=conv_state)
@@ -36,7 +40,10 @@ def causal_conv1d(x, weight, bias=None, *, conv_state=None, reset=None, cu_seqle
     reset = check_reset(reset, N, x.device)
 
     dtype = torch.promote_types(x.dtype, weight.dtype)
-    state = x.new_zeros(N, W - 1, Ch, dtype=dtype) if conv_state is None else conv_state.to(dtype)
+    if conv_state is None:
+        state = x.new_zeros(N, W - 1, Ch, dtype=dtype)
+    else:
+        state = (conv_state if state_indices is None else conv_state[state_indices]).to(dtype)
     if reset is not None:
         state = state.masked_fill(reset[:, None, None], 0)  # masked_fill, not multiply: NaN must not leak
 
@@ -60,6 +67,9 @@ def causal_conv1d(x, weight, bias=None, *, conv_state=None, reset=None, cu_seqle
     if activation == "silu":
         y = F.silu(y)
     if inplace:
-        conv_state.copy_(new_state)
+        if state_indices is None:
+            conv_state.copy_(new_state)
+        else:
+            conv_state.index_copy_(0, state_indices, new_state.to(conv_state.dtype))
         new_state = conv_state
     return y.to(x.dtype), new_state

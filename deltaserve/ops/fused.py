@@ -58,16 +58,18 @@ def available() -> bool:
         return False
 
 
-def fused(q, k, v, g, beta, *, scale, state, cu_seqlens, snapshots, use_qk_l2norm):
+def fused(q, k, v, g, beta, *, scale, state, cu_seqlens, snapshots, use_qk_l2norm, state_indices=None):
     """q, k [1, T, H, K]; v [1, T, HV, V]; g [1, T, HV(, K)]; beta [1, T, HV]; cu_seqlens [N + 1];
-    state [N, HV, K, V] float32, advanced in place. Returns (o [1, T, HV, V] float32, state, snaps)."""
+    state [S, HV, K, V] float32, advanced in place: sequence n owns row state_indices[n] (row n when None).
+    Returns (o [1, T, HV, V] float32, state, snaps [N, snapshots, HV, K, V] | None)."""
     if q.device.type != "cpu":
         raise ValueError(f"backend='fused' runs on CPU tensors only, got device {q.device}")
     f32 = torch.float32
     q, k, v, g, beta = (x[0].to(f32).contiguous() for x in (q, k, v, g, beta))
-    N, HV, K, V = state.shape
+    N, (_, HV, K, V) = cu_seqlens.numel() - 1, state.shape
+    idx = torch.empty(0, dtype=torch.int64) if state_indices is None else state_indices.to(torch.int64).contiguous()
     snaps = torch.empty((N, snapshots, HV, K, V) if snapshots else (0,), dtype=f32)
     o = torch.empty_like(v)
-    _extension().gdr_forward(q, k, v, g, beta, state, cu_seqlens.to(torch.int64).contiguous(), o, snaps,
+    _extension().gdr_forward(q, k, v, g, beta, state, cu_seqlens.to(torch.int64).contiguous(), idx, o, snaps,
                              float(scale), bool(use_qk_l2norm))
     return o[None], state, (snaps if snapshots else None)

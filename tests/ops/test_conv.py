@@ -92,3 +92,16 @@ def test_bad_arguments(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         causal_conv1d(args.pop("x"), args.pop("weight"), **args)
+
+
+def test_state_indices_update_only_their_slots():
+    x, w = torch.randn(2, 3, 5), torch.randn(5, 4)
+    cache = torch.randn(4, 3, 5)
+    before = cache.clone()
+    slots = torch.tensor([3, 1])
+    y_ref, s_ref = causal_conv1d(x, w, conv_state=before[slots])
+    y, out = causal_conv1d(x, w, conv_state=cache, state_indices=slots, inplace=True)
+    assert out is cache
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(cache[slots], s_ref)
+    assert torch.equal(cache[[0, 2]], before[[0, 2]])

@@ -225,3 +225,46 @@ def test_bad_arguments_name_what_is_wrong(bad, match):
         (args if name in args else kwargs)[name] = value
     with pytest.raises(ValueError, match=match):
         gated_delta_rule(*args.values(), **kwargs)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["batched", "packed"])
+def test_state_indices_update_only_their_cache_slots(backend, packed):
+    """Decode of 3 sequences living in slots 4, 0, 2 of a 5-slot cache: the other slots stay untouched."""
+    T = 1 if not packed else 7
+    q, k, v, g, beta, _ = make_inputs(1 if packed else 3, T if not packed else 3 * T, 2, 4, 16, 24, per_channel=True)
+    cache = torch.randn(5, 4, 16, 24)
+    before = cache.clone()
+    slots = torch.tensor([4, 0, 2])
+    cu = torch.tensor([0, T, 2 * T, 3 * T]) if packed else None
+    o_ref, s_ref, snaps_ref = reference(q, k, v, g, beta, before[slots], cu_seqlens=cu, snapshots=2)
+    o, out, snaps = gated_delta_rule(q, k, v, g, beta, initial_state=cache, state_indices=slots, cu_seqlens=cu,
+                                     inplace=True, use_qk_l2norm=True, snapshots=2, backend=backend)
+    assert out is cache
+    assert_close(o, o_ref, 2e-4)
+    assert_close(cache[slots], s_ref, 2e-4)
+    assert_close(snaps, snaps_ref, 2e-4)
+    assert torch.equal(cache[[1, 3]], before[[1, 3]])
+
+
+def test_state_indices_with_reset(backend):
+    q, k, v, g, beta, _ = make_inputs(2, 5, 2, 4, 16, 24)
+    cache = torch.randn(4, 4, 16, 24)
+    cache[3] = float("nan")
+    expected_start = cache[[1, 3]].clone()
+    expected_start[1] = 0
+    o_ref, s_ref, _ = reference(q, k, v, g, beta, expected_start)
+    o, _ = gated_delta_rule(q, k, v, g, beta, initial_state=cache, state_indices=torch.tensor([1, 3]),
+                            reset=torch.tensor([False, True]), inplace=True, use_qk_l2norm=True, backend=backend)
+    assert_close(o, o_ref, 2e-4)
+    assert_close(cache[[1, 3]], s_ref, 2e-4)
+
+
+@pytest.mark.parametrize("idx, match", [
+    (torch.tensor([0, 0]), "must be distinct"),
+    (torch.tensor([0, 9]), r"must lie in \[0, 4\)"),
+    (torch.tensor([0, 1], dtype=torch.int32), "must be an int64 tensor"),
+], ids=["duplicate", "out_of_range", "int32"])
+def test_bad_state_indices(idx, match):
+    q, k, v, g, beta, _ = make_inputs(2, 3, 2, 4, 16, 24)
+    with pytest.raises(ValueError, match=match):
+        gated_delta_rule(q, k, v, g, beta, initial_state=torch.zeros(4, 4, 16, 24), state_indices=idx, inplace=True)

@@ -21,7 +21,8 @@ namespace {
 struct Args {
   const float *q, *k, *v, *g, *beta;
   float *state, *out, *snaps;
-  const int64_t *cu;  // [N + 1] token offsets
+  const int64_t *cu;        // [N + 1] token offsets
+  const int64_t *state_idx;  // [N] state row of each sequence, or null for row n
   int64_t N, H, HV, K, V, n_snaps;
   bool per_channel, l2norm;
   float scale;
@@ -79,7 +80,8 @@ void run_task(const Args& a, int64_t n, int64_t hv, int64_t c0, int64_t vb_dyn) 
   if (buf.size() < static_cast<size_t>(7 * K)) buf.resize(7 * K);
   // The K x vb state block is updated where it lies (row stride V): a copy would cost two more passes,
   // and the block stays in L1/L2 all the same.
-  float* __restrict__ S = a.state + ((n * a.HV + hv) * K) * V + c0;
+  const int64_t row = a.state_idx ? a.state_idx[n] : n;
+  float* __restrict__ S = a.state + ((row * a.HV + hv) * K) * V + c0;
   float* e = buf.data();               // this token's decay, key, and decay * key
   float* kk = e + K;
   float* ek = kk + K;
@@ -142,10 +144,11 @@ void run_task(const Args& a, int64_t n, int64_t hv, int64_t c0, int64_t vb_dyn) 
 }
 
 // q, k [T, H, K]; v [T, HV, V]; g [T, HV] or [T, HV, K]; beta [T, HV]; state [N, HV, K, V] (in/out);
-// cu_seqlens [N + 1] int64; out [T, HV, V]; snaps [N, n_snaps, HV, K, V] or empty. All float32, contiguous.
+// cu_seqlens [N + 1] int64; state_idx [N] int64 (rows of state) or empty; out [T, HV, V];
+// snaps [N, n_snaps, HV, K, V] or empty. All float tensors float32 and contiguous.
 void gdr_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
-                 torch::Tensor state, torch::Tensor cu_seqlens, torch::Tensor out, torch::Tensor snaps,
-                 double scale, bool l2norm) {
+                 torch::Tensor state, torch::Tensor cu_seqlens, torch::Tensor state_idx, torch::Tensor out,
+                 torch::Tensor snaps, double scale, bool l2norm) {
   Args a;
   a.q = q.data_ptr<float>();
   a.k = k.data_ptr<float>();
@@ -157,7 +160,8 @@ void gdr_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tenso
   a.n_snaps = snaps.numel() ? snaps.size(1) : 0;
   a.snaps = a.n_snaps ? snaps.data_ptr<float>() : nullptr;
   a.cu = cu_seqlens.data_ptr<int64_t>();
-  a.N = state.size(0);
+  a.state_idx = state_idx.numel() ? state_idx.data_ptr<int64_t>() : nullptr;
+  a.N = cu_seqlens.size(0) - 1;
   a.HV = state.size(1);
   a.K = state.size(2);
   a.V = state.size(3);
