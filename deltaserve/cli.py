@@ -1,0 +1,174 @@
+"""The `deltaserve` command: run, chat, serve, bench, make-model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from deltaserve.errors import DeltaserveError
+
+
+def _add_model_args(p: argparse.ArgumentParser):
+    p.add_argument("model", nargs="?", default=None,
+                   help="a GGUF file or a Hugging Face directory (default: the embedded Shakespeare model)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context length in tokens (default 4096)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens (default 512)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="weight dtype for matmuls (default float32)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser):
+    p.add_argument("-n", "--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
+    p.add_argument("--temperature", "--temp", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="0 = off (default 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="1 = off (default 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05, help="0 = off (default 0.05)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _load(args):
+    import torch
+
+    from deltaserve.engine.llm import LLM
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return LLM(args.model, dtype=getattr(torch, args.dtype), max_len=args.ctx_size, prefill_chunk=args.chunk_size)
+
+
+def _sampling(args) -> dict:
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                min_p=args.min_p, seed=args.seed, stop=args.stop)
+
+
+def cmd_run(args):
+    llm = _load(args)
+    sys.stdout.write(args.prompt)
+    for piece in llm.generate(args.prompt, stream=True, **_sampling(args)):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def cmd_chat(args):
+    from deltaserve.server.app import _plain_chat
+
+    llm = _load(args)
+    tok = llm.tokenizer
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("deltaserve chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True) if tok.chat_template \
+            else _plain_chat(messages)
+        reply = []
+        for piece in llm.generate(prompt, stream=True, **_sampling(args)):
+            reply.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_serve(args):
+    import torch
+    import uvicorn
+
+    from deltaserve.engine.engine import Engine
+    from deltaserve.engine.llm import DEFAULT_MODEL, load
+    from deltaserve.server.app import create_app
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load(args.model, dtype=getattr(torch, args.dtype))
+    name = args.served_model_name or Path(args.model or DEFAULT_MODEL).stem
+    engine = Engine(model, tokenizer, n_slots=args.slots, max_len=args.ctx_size, prefill_chunk=args.chunk_size,
+                    model_name=name)
+    app = create_app(engine, api_key=args.api_key)
+    print(f"deltaserve: serving {name} on http://{args.host}:{args.port} (chat page at /)", file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.close()
+
+
+def cmd_bench(args):
+    if args.model == "ops":
+        from deltaserve.bench import ops
+
+        ops.main(args.rest)
+        return
+    raise DeltaserveError("bench takes 'ops' for now: deltaserve bench ops [--T ...] [--heads ...] [--json F]")
+
+
+def cmd_make_model(args):
+    from deltaserve.models import make
+
+    make.main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deltaserve", description="Run and serve hybrid linear-attention models.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="generate text and stream it to the terminal",
+                         description="Generate a continuation of PROMPT and stream it to the terminal.")
+    _add_model_args(run)
+    run.add_argument("-p", "--prompt", required=True, help="the text to continue")
+    _add_sampling_args(run)
+    run.set_defaults(fn=cmd_run)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal",
+                          description="Chat with a model in the terminal, using its chat template (a model without "
+                                      "one sees the conversation as a play script).")
+    _add_model_args(chat)
+    chat.add_argument("--system", help="system prompt")
+    _add_sampling_args(chat)
+    chat.set_defaults(fn=cmd_chat)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a chat page",
+                           description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics "
+                                       "and a chat page at /, with continuous batching.")
+    _add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    serve.add_argument("--slots", type=int, default=8, help="sequences decoded together (default 8)")
+    serve.add_argument("--served-model-name", default=None, help="model id in the API (default: the file name)")
+    serve.set_defaults(fn=cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks ('deltaserve bench ops' for the kernels)",
+                           description="Benchmarks. 'deltaserve bench ops --help' lists the kernel benchmark's options.")
+    bench.add_argument("model", help="'ops' for the gated-delta-rule kernels")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
+    bench.set_defaults(fn=cmd_bench)
+
+    make = sub.add_parser("make-model", help="write a random-weight model for tests and benchmarks", add_help=False,
+                          description="Write a random-weight GGUF (see 'deltaserve make-model --help').")
+    make.add_argument("rest", nargs=argparse.REMAINDER)
+    make.set_defaults(fn=cmd_make_model)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except (DeltaserveError, ValueError, FileNotFoundError) as e:
+        print(f"deltaserve: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Engine: the scheduler running in a background thread, fed from any thread (the server's event loop)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .request import Done, Event, Request
+from .runner import ModelRunner
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+
+
+@dataclass
+class Metrics:
+    requests_total: int = 0
+    requests_finished: int = 0
+    prompt_tokens_total: int = 0
+    generated_tokens_total: int = 0
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+
+
+class Engine:
+    def __init__(self, model, tokenizer, *, n_slots: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
+                 model_name: str = "deltaserve"):
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.runner = ModelRunner(model, n_slots=n_slots, max_len=max_len)
+        self.scheduler = _TimedScheduler(self.runner, prefill_chunk)
+        self.metrics = self.scheduler.metrics
+        self._inbox: list[Request] = []
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="deltaserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def max_len(self) -> int:
+        return self.runner.max_len
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_event: Callable[[Event], None]) -> Request:
+        """Queue a request; on_event is called from the engine thread with each Delta and the final Done."""
+        req = Request(prompt_ids, params, self.tokenizer, on_event=on_event)
+        with self._wake:
+            self._inbox.append(req)
+            self.metrics.requests_total += 1
+            self._wake.notify()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request (a client went away); its slot is freed at the next step."""
+        with self._wake:
+            req.cancelled = True
+            self._wake.notify()
+
+    def queue_depth(self) -> int:
+        return len(self._inbox) + len(self.scheduler.waiting)
+
+    def running(self) -> int:
+        return len(self.scheduler.running)
+
+    def close(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._stopped or self._inbox or self.scheduler.has_work):
+                    self._wake.wait()
+                if self._stopped:
+                    break
+                inbox, self._inbox = self._inbox, []
+            for req in inbox:
+                self.scheduler.add(req)
+            try:
+                self.scheduler.step()
+            except Exception as e:  # a bug must not hang every client: end the running requests with the error
+                for req in self.scheduler.running + list(self.scheduler.waiting):
+                    req.finish("error", f"engine error: {type(e).__name__}: {e}")
+                    if req.slot is not None:
+                        self.runner.reset(req.slot)  # its state may be half-written
+                self.scheduler.step()
+        for req in self.scheduler.running + list(self.scheduler.waiting):
+            req.finish("cancelled")
+
+
+class _TimedScheduler(Scheduler):
+    """The scheduler, counting tokens and seconds per phase for /metrics."""
+
+    def __init__(self, runner, prefill_chunk):
+        super().__init__(runner, prefill_chunk)
+        self.metrics = Metrics()
+
+    def _decode(self):
+        n = sum(1 for r in self.running if r.pending is not None and not r.cancelled)
+        t = time.perf_counter()
+        super()._decode()
+        self.metrics.decode_seconds += time.perf_counter() - t
+        self.metrics.decode_tokens += n
+
+    def _prefill(self):
+        before = sum(r.n_fed for r in self.running)
+        t = time.perf_counter()
+        super()._prefill()
+        self.metrics.prefill_seconds += time.perf_counter() - t
+        self.metrics.prefill_tokens += sum(r.n_fed for r in self.running) - before
+
+    def _drop_finished(self):
+        for req in self.running:
+            if req.done is not None or req.cancelled:
+                self.metrics.requests_finished += 1
+                self.metrics.prompt_tokens_total += len(req.prompt_ids)
+                self.metrics.generated_tokens_total += len(req.output_ids)
+        super()._drop_finished()

@@ -1,0 +1,108 @@
+"""LLM: load a checkpoint and generate, stream or score with it.
+
+    llm = LLM("model.gguf")            # a GGUF file or a Hugging Face directory; None = the embedded model
+    llm.generate("ROMEO:", max_tokens=40, temperature=0.8, seed=1).text
+    for piece in llm.generate("ROMEO:", stream=True): print(piece, end="")
+    llm.score(token_ids)               # float32 logits [T, vocab]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deltaserve.errors import DeltaserveError
+from deltaserve.loader import open_checkpoint
+from deltaserve.models import load_model
+from deltaserve.tokenizer import Tokenizer
+
+from .request import Delta, Done, Event, Request
+from .runner import ModelRunner
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "data" / "default.gguf"
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # the generated tokens (the prompt excluded)
+    finish_reason: str  # "stop" (eos or a stop string) or "length"
+    prompt_tokens: int
+
+
+def load(model: str | Path | None = None, *, dtype: torch.dtype = torch.float32, device="cpu"):
+    """(model, tokenizer) from a GGUF file or a Hugging Face directory; None = the embedded default model."""
+    path = Path(model) if model is not None else DEFAULT_MODEL
+    ckpt = open_checkpoint(path)
+    tokenizer = (Tokenizer.from_gguf_metadata(ckpt.metadata) if hasattr(ckpt, "metadata")
+                 else Tokenizer.from_hf_dir(path))
+    return load_model(ckpt, dtype=dtype, device=device), tokenizer
+
+
+class LLM:
+    """Synchronous generation on one sequence slot; the server's Engine runs the same Scheduler in a thread."""
+
+    def __init__(self, model: str | Path | None = None, *, dtype: torch.dtype = torch.float32, device="cpu",
+                 max_len: int = 4096, prefill_chunk: int = 512):
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.model, self.tokenizer = load(model, dtype=dtype, device=device)
+        self.runner = ModelRunner(self.model, n_slots=1, max_len=max_len)
+        self.scheduler = Scheduler(self.runner, prefill_chunk)
+        self.prefill_chunk = prefill_chunk
+
+    def generate(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop: list[str] | str = (),
+                 ignore_eos: bool = False, stream: bool = False):
+        """Continue `prompt` (text or token ids). Returns a GenerationResult, or with stream=True an iterator
+        of text pieces as they are decided (text that may still turn into a stop string is held back)."""
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                min_p=min_p, seed=seed, stop=[stop] if isinstance(stop, str) else list(stop),
+                                ignore_eos=ignore_eos)
+        events: list[Event] = []
+        req = Request(self._encode(prompt), params, self.tokenizer, on_event=events.append)
+        steps = self._run(req, events)
+        if stream:
+            return (e.text for e in steps if isinstance(e, Delta))
+        done = [e for e in steps if isinstance(e, Done)][-1]
+        if done.error:
+            raise DeltaserveError(done.error)
+        return GenerationResult(done.text, done.token_ids, done.reason, done.prompt_tokens)
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """float32 logits [T, vocab] for every position of token_ids, from a fresh state."""
+        ids = self._encode(token_ids)
+        self.runner.reset(0)
+        chunks = [ids[i:i + self.prefill_chunk] for i in range(0, len(ids), self.prefill_chunk)]
+        return torch.cat([self.runner.forward([0], [c], logits="all")[0] for c in chunks])
+
+    def _run(self, req: Request, events: list[Event]):
+        self.scheduler.add(req)
+        try:
+            while True:
+                while events:
+                    event = events.pop(0)
+                    yield event
+                    if isinstance(event, Done):
+                        return
+                self.scheduler.step()
+        finally:  # a stream abandoned half-way frees its slot
+            if req.done is None:
+                req.cancelled = True
+                self.scheduler.step()
+
+    def _encode(self, prompt) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise DeltaserveError("the prompt is empty: give at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise DeltaserveError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.runner.max_len:
+            raise DeltaserveError(f"the prompt has {len(ids)} tokens; the context holds {self.runner.max_len}")
+        return ids

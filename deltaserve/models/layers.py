@@ -1,0 +1,172 @@
+"""Building blocks shared by the hybrid models: RMSNorm, partial rotary embedding, gated attention over
+a per-slot KV cache, SwiGLU MLP and a softmax-routed mixture of experts.
+
+Weights are stored ready to compute: norms hold their final multiplier (float32), fused projections
+hold their row blocks in the order `forward` splits them. Checkpoint quirks live in the model files.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dim, computed in float32 (weight is the final multiplier)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """NeoX-style rope on the first `dim` channels of each head (the rest pass through)."""
+
+    def __init__(self, dim: int, theta: float):
+        super().__init__()
+        self.dim, self.theta = dim, theta
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N, T] -> cos, sin [N, T, dim] in float32."""
+        exponents = torch.arange(0, self.dim, 2, dtype=torch.float32, device=positions.device) / self.dim
+        inv_freq = 1.0 / (self.theta ** exponents)  # [dim/2]
+        freqs = positions.float()[..., None] * inv_freq  # [N, T, dim/2]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, T, heads, head_dim]; cos, sin [N, T, rot]. Rotates x[..., :rot] by halves."""
+    rot = cos.shape[-1]
+    cos, sin = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    first, second = x_rot.chunk(2, dim=-1)
+    rotated = torch.cat((-second, first), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, scale: float) -> torch.Tensor:
+    """Append the new keys/values of each sequence to its cache slot, then attend over the slot.
+
+    q [N, T, nh, dk]; k [N, T, nkv, dk]; v [N, T, nkv, dv]; caches [n_slots, max_len, nkv, d];
+    slots [N] cache rows; start [N] tokens already cached per sequence (query t sits at start + t).
+    Query head h reads kv head h // (nh / nkv). Returns [N, T, nh, dv].
+    """
+    N, T, nh, dk = q.shape
+    nkv, dv = v.shape[2], v.shape[3]
+    group = nh // nkv
+    pos = start[:, None] + torch.arange(T, device=q.device)  # [N, T]
+    k_cache[slots[:, None], pos] = k.to(k_cache.dtype)
+    v_cache[slots[:, None], pos] = v.to(v_cache.dtype)
+    span = int(start.max()) + T  # keys beyond the longest sequence are never visible
+    keys = k_cache[slots, :span].transpose(1, 2)  # [N, nkv, S, dk]
+    values = v_cache[slots, :span].transpose(1, 2)  # [N, nkv, S, dv]
+    visible = torch.arange(span, device=q.device) <= pos[:, :, None]  # [N, T, S]: causal, own slot only
+    # Fold each kv head's query group into the query axis so the cache is read once per kv head.
+    q = q.view(N, T, nkv, group, dk).permute(0, 2, 3, 1, 4).reshape(N, nkv, group * T, dk)
+    mask = visible[:, None, None].expand(N, 1, group, T, span).reshape(N, 1, group * T, span)
+    o = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale)
+    return o.view(N, nkv, group, T, dv).permute(0, 3, 1, 2, 4).reshape(N, T, nh, dv)
+
+
+class GatedAttention(nn.Module):
+    """Full attention with q/k RMSNorm, partial rope, grouped KV and an output gate sigmoid(x W_g)."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        # rows: query (nh*hd) | gate (nh*hd) | key (nkv*hd) | value (nkv*hd)
+        self.qkv_proj = nn.Linear(hidden, (2 * num_heads + 2 * num_kv_heads) * head_dim, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, slots: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        N, T, _ = x.shape
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        q, gate, k, v = self.qkv_proj(x).split([nh * hd, nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q = apply_rotary(self.q_norm(q.view(N, T, nh, hd)), cos, sin)
+        k = apply_rotary(self.k_norm(k.view(N, T, nkv, hd)), cos, sin)
+        o = cached_attention(q, k, v.view(N, T, nkv, hd), k_cache, v_cache, slots, start, hd ** -0.5)
+        return self.o_proj(o.reshape(N, T, nh * hd) * torch.sigmoid(gate))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused as one [2I, hidden] matrix."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router: softmax over experts in float32, keep the k largest (renormalised to sum 1 if asked).
+    logits [M, n_experts] -> weights [M, k] float32, expert ids [M, k]."""
+    probs = logits.float().softmax(dim=-1)
+    weights, ids = probs.topk(k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class Experts(nn.Module):
+    """n SwiGLU experts as stacked matrices: gate_up [n, 2I, hidden] (gate rows first), down [n, hidden, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [M, hidden]; ids, weights [M, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x), [M, hidden]."""
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = flat.argsort()  # assignments grouped by expert
+        tokens = order // k
+        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        begin = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = tokens[begin:begin + count]
+            gate, up = F.linear(x[rows], self.gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[e])
+            out.index_add_(0, rows, y.float() * weights.flatten()[order[begin:begin + count], None])
+            begin += count
+        return out.to(x.dtype)
+
+
+class SparseMoE(nn.Module):
+    """Softmax top-k routed experts plus an always-on shared expert scaled by sigmoid(x w_shared)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int,
+                 shared_intermediate: int, normalize: bool):
+        super().__init__()
+        self.top_k, self.normalize = top_k, normalize
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden, intermediate)
+        self.shared = MLP(hidden, shared_intermediate) if shared_intermediate else None
+        self.shared_gate = nn.Linear(hidden, 1, bias=False) if shared_intermediate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [M, hidden]
+        weights, ids = softmax_topk(self.router(flat), self.top_k, self.normalize)
+        out = self.experts(flat, ids, weights)
+        if self.shared is not None:
+            out = out + torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
+        return out.view(x.shape)

@@ -1,0 +1,86 @@
+"""LLM.generate / score on a tiny random model: incremental decode against teacher-forced scoring."""
+
+import pytest
+import torch
+
+from deltaserve.engine.llm import LLM
+from deltaserve.errors import DeltaserveError
+
+PROMPT = "The quick brown fox jumps over the lazy dog."
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_gguf):
+    return LLM(tiny_gguf, max_len=256, prefill_chunk=5)
+
+
+def test_greedy_tokens_are_the_argmax_of_full_sequence_logits(llm):
+    ids = llm.tokenizer.encode(PROMPT)
+    out = llm.generate(ids, max_tokens=24, temperature=0, ignore_eos=True)
+    assert len(out.token_ids) == 24 and out.finish_reason == "length"
+    logits = llm.score(ids + out.token_ids)  # one fresh pass over everything, prefilled in chunks of 5
+    assert logits.shape == (len(ids) + 24, llm.model.config.vocab_size) and logits.dtype == torch.float32
+    assert logits[len(ids) - 1:-1].argmax(-1).tolist() == out.token_ids
+    assert out.text == llm.tokenizer.decode(out.token_ids)
+
+
+def test_stream_pieces_join_to_the_text(llm):
+    full = llm.generate(PROMPT, max_tokens=20, temperature=0, ignore_eos=True)
+    pieces = list(llm.generate(PROMPT, max_tokens=20, temperature=0, ignore_eos=True, stream=True))
+    assert "".join(pieces) == full.text and len(pieces) > 1
+
+
+def test_stop_string_cuts_the_text(llm):
+    full = llm.generate(PROMPT, max_tokens=30, temperature=0, ignore_eos=True).text
+    stop = full[6:9]
+    cut = llm.generate(PROMPT, max_tokens=30, temperature=0, ignore_eos=True, stop=[stop])
+    assert cut.finish_reason == "stop" and cut.text == full[:full.find(stop)]
+    streamed = "".join(llm.generate(PROMPT, max_tokens=30, temperature=0, ignore_eos=True, stop=stop, stream=True))
+    assert streamed == cut.text
+
+
+def test_seed_makes_sampling_reproducible(llm):
+    kw = dict(max_tokens=16, temperature=1.0, top_k=50, top_p=0.95, min_p=0.01, ignore_eos=True)
+    a = llm.generate(PROMPT, seed=1, **kw).token_ids
+    assert a == llm.generate(PROMPT, seed=1, **kw).token_ids
+    assert a != llm.generate(PROMPT, seed=2, **kw).token_ids
+
+
+def test_a_prompt_extending_the_last_one_reuses_the_live_state(llm, monkeypatch):
+    first = llm.generate(PROMPT, max_tokens=8, temperature=0, ignore_eos=True)
+    ids = llm.tokenizer.encode(PROMPT) + first.token_ids[:-1]  # what the slot now holds
+    more = ids + llm.tokenizer.encode(" And then")
+    fed = []
+    real = llm.runner.forward
+    monkeypatch.setattr(llm.runner, "forward", lambda slots, toks, **kw: fed.append(len(toks[0])) or real(slots, toks, **kw))
+    reused = llm.generate(more, max_tokens=6, temperature=0, ignore_eos=True)
+    assert fed[0] == len(more) - len(ids)  # only the new tokens were prefilled
+    monkeypatch.undo()
+    llm.runner.reset(0)  # the same prompt from a fresh state gives the same tokens
+    assert llm.generate(more, max_tokens=6, temperature=0, ignore_eos=True).token_ids == reused.token_ids
+
+
+def test_abandoned_stream_frees_the_slot(llm):
+    stream = llm.generate(PROMPT, max_tokens=50, temperature=0, ignore_eos=True, stream=True)
+    next(stream)
+    stream.close()
+    assert llm.generate(PROMPT, max_tokens=3, temperature=0, ignore_eos=True).finish_reason == "length"
+
+
+def test_zero_max_tokens(llm):
+    out = llm.generate(PROMPT, max_tokens=0)
+    assert out.text == "" and out.token_ids == [] and out.finish_reason == "length"
+
+
+def test_context_limit_ends_generation_with_length(tiny_gguf):
+    small = LLM(tiny_gguf, max_len=20)
+    ids = small.tokenizer.encode(PROMPT)[:10]
+    out = small.generate(ids, max_tokens=100, temperature=0, ignore_eos=True)
+    assert out.finish_reason == "length" and len(ids) + len(out.token_ids) == 21  # the last token is never fed
+
+
+@pytest.mark.parametrize("prompt, match", [("", "empty"), ([10 ** 7], "outside the vocabulary"),
+                                           ([1] * 300, "context holds 256")], ids=["empty", "oov", "too_long"])
+def test_bad_prompts_raise_one_clear_error(llm, prompt, match):
+    with pytest.raises(DeltaserveError, match=match):
+        llm.generate(prompt)

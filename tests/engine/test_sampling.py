@@ -1,0 +1,64 @@
+"""The sampler's filters against hand-computed distributions."""
+
+import math
+
+import pytest
+import torch
+
+from deltaserve.engine.sampling import SamplingParams, filter_logits, sample
+
+LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1]))
+
+
+def kept(logp):
+    return (logp > float("-inf")).tolist()
+
+
+def test_temperature_only_is_softmax_of_scaled_logits():
+    logp = filter_logits(LOGITS, 2.0, 0, 1.0, 0.0)
+    expected = torch.tensor([0.5, 0.25, 0.15, 0.1]) ** 0.5
+    torch.testing.assert_close(logp.exp(), expected / expected.sum())
+
+
+def test_top_k_keeps_the_k_largest():
+    assert kept(filter_logits(LOGITS, 1.0, 2, 1.0, 0.0)) == [True, True, False, False]
+    torch.testing.assert_close(filter_logits(LOGITS, 1.0, 2, 1.0, 0.0).exp()[:2], torch.tensor([2 / 3, 1 / 3]))
+
+
+@pytest.mark.parametrize("top_p, expected", [(0.5, [True, False, False, False]), (0.6, [True, True, False, False]),
+                                             (0.9, [True, True, True, False]), (1.0, [True] * 4)])
+def test_top_p_keeps_the_smallest_set_reaching_p(top_p, expected):
+    assert kept(filter_logits(LOGITS, 1.0, 0, top_p, 0.0)) == expected
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top():
+    # p_max = 0.5: min_p 0.4 keeps p >= 0.2
+    assert kept(filter_logits(LOGITS, 1.0, 0, 1.0, 0.4)) == [True, True, False, False]
+
+
+def test_greedy_and_seeded_sampling():
+    logits = torch.randn(3, 50)
+    greedy = [SamplingParams(temperature=0)] * 3
+    assert sample(logits, greedy, [None] * 3) == logits.argmax(-1).tolist()
+    p = SamplingParams(temperature=1.0, seed=7)
+    a = [sample(logits[:1], [p], [p.generator()]) for _ in range(2)]
+    assert a[0] == a[1]
+
+
+def test_sampling_frequencies_follow_the_distribution():
+    p = SamplingParams(temperature=1.0, seed=0)
+    gen = p.generator()
+    draws = [sample(LOGITS[None], [p], [gen])[0] for _ in range(4000)]
+    freq = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.25, 0.15, 0.1]), atol=0.03, rtol=0)
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
+                                    dict(min_p=2), dict(max_tokens=-1), dict(stop=[""])],
+                         ids=["temperature", "top_p0", "top_p_big", "top_k", "min_p", "max_tokens", "empty_stop"])
+def test_bad_params_raise(kwargs):
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+

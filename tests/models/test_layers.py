@@ -1,0 +1,104 @@
+"""Shared layers against float64 arithmetic written out longhand."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from deltaserve.models.layers import Experts, RMSNorm, RotaryEmbedding, apply_rotary, cached_attention, softmax_topk
+from deltaserve.models.qwen import _tiled_to_grouped
+
+GEN = torch.Generator().manual_seed(0)
+
+
+def randn(*shape):
+    return torch.randn(shape, generator=GEN)
+
+
+def test_rmsnorm():
+    norm = RMSNorm(7, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(randn(7))
+    x = randn(3, 7)
+    x64 = x.double()
+    expected = x64 / torch.sqrt((x64 ** 2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+    assert torch.allclose(norm(x).double(), expected, atol=1e-6)
+    assert norm(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_partial_rotary_rotates_channel_pairs():
+    head_dim, rot, theta = 10, 6, 100.0
+    x = randn(2, 3, 4, head_dim)
+    positions = torch.tensor([[0, 1, 2], [7, 8, 40]])
+    out = apply_rotary(x, *RotaryEmbedding(rot, theta)(positions))
+    half = rot // 2
+    for n in range(2):
+        for t in range(3):
+            for i in range(half):  # channels i and i + half form the complex number x_i + j x_{i+half}
+                angle = positions[n, t].item() * theta ** (-2 * i / rot)
+                z = torch.complex(x[n, t, :, i].double(), x[n, t, :, i + half].double()) * complex(
+                    math.cos(angle), math.sin(angle))
+                assert torch.allclose(out[n, t, :, i].double(), z.real, atol=1e-5)
+                assert torch.allclose(out[n, t, :, i + half].double(), z.imag, atol=1e-5)
+    assert torch.equal(out[..., rot:], x[..., rot:])
+
+
+def test_cached_attention_against_naive_loop():
+    n_slots, max_len, nh, nkv, dk, dv, T = 3, 12, 6, 2, 5, 3, 4
+    k_cache, v_cache = randn(n_slots, max_len, nkv, dk), randn(n_slots, max_len, nkv, dv)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    slots, start = torch.tensor([2, 0]), torch.tensor([5, 0])
+    q, k, v = randn(2, T, nh, dk), randn(2, T, nkv, dk), randn(2, T, nkv, dv)
+    out = cached_attention(q, k, v, k_cache, v_cache, slots, start, scale=0.7)
+
+    for n in range(2):
+        s, p0 = slots[n].item(), start[n].item()
+        keys = torch.cat([before_k[s, :p0], k[n]]).double()  # what the slot holds after the write
+        values = torch.cat([before_v[s, :p0], v[n]]).double()
+        assert torch.equal(k_cache[s, p0:p0 + T], k[n]) and torch.equal(v_cache[s, :p0], before_v[s, :p0])
+        for t in range(T):
+            for h in range(nh):
+                kv = h // (nh // nkv)
+                scores = keys[:p0 + t + 1, kv] @ q[n, t, h].double() * 0.7
+                expected = scores.softmax(0) @ values[:p0 + t + 1, kv]
+                assert torch.allclose(out[n, t, h].double(), expected, atol=1e-5)
+    assert torch.equal(k_cache[1], before_k[1]) and torch.equal(v_cache[1], before_v[1])
+
+
+def test_router_and_experts_against_per_token_loop():
+    n, hidden, inter, M, top_k = 5, 7, 3, 6, 2
+    experts = Experts(n, hidden, inter)
+    with torch.no_grad():
+        experts.gate_up.copy_(randn(n, 2 * inter, hidden))
+        experts.down.copy_(randn(n, hidden, inter))
+    x, logits = randn(M, hidden), randn(M, n)
+    weights, ids = softmax_topk(logits, top_k, normalize=True)
+    out = experts(x, ids, weights)
+    for m in range(M):
+        probs = logits[m].double().softmax(0)
+        chosen = probs.argsort(descending=True)[:top_k]
+        assert set(ids[m].tolist()) == set(chosen.tolist())
+        expected = torch.zeros(hidden, dtype=torch.float64)
+        for e in chosen.tolist():
+            h = experts.gate_up[e].double() @ x[m].double()
+            gate, up = h[:inter], h[inter:]
+            y = experts.down[e].double() @ (gate * torch.sigmoid(gate) * up)
+            expected += probs[e] / probs[chosen].sum() * y
+        assert torch.allclose(out[m].double(), expected, atol=1e-5)
+    unnormalised, _ = softmax_topk(logits, top_k, normalize=False)
+    assert torch.allclose(unnormalised, logits.softmax(-1).topk(top_k).values)
+
+
+def test_tiled_to_grouped_value_head_order():
+    H, r, head = 3, 2, 4
+    # tiled row block j = rr * H + kh holds value head (kh, rr); fill it with the grouped index kh * r + rr
+    tiled = torch.empty(H * r * head, 5)
+    for rr in range(r):
+        for kh in range(H):
+            j = rr * H + kh
+            tiled[j * head:(j + 1) * head] = kh * r + rr
+    grouped = _tiled_to_grouped(tiled, 0, H, r, head)
+    assert torch.equal(grouped[:, 0], torch.arange(H * r).repeat_interleave(head).float())
+    cols = _tiled_to_grouped(tiled.T.contiguous(), 1, H, r, head)
+    assert torch.equal(cols, grouped.T)
