@@ -148,7 +148,7 @@ class Draw:
         self._gen = torch.Generator().manual_seed(seed)
 
     def normal(self, *shape: int, std: float | None = None, mean: float = 0.0) -> torch.Tensor:
-        """N(mean, std^2); std defaults to fan_in^-0.5 (the last dim): 0.02-0.03 at Qwen3.5-0.8B's
+        """N(mean, std^2); std defaults to fan_in^-0.5 (the last dim): 0.017-0.031 for Qwen3.5-0.8B's
         sizes, and at any size activations stay O(1), so the layers outweigh the embedding as in a
         trained model."""
         x = torch.randn(shape, generator=self._gen)

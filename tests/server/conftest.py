@@ -1,0 +1,60 @@
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from deltaserve.engine.engine import Engine
+from deltaserve.engine.llm import load
+from deltaserve.server.app import create_app
+
+API_KEY = "test-key"
+
+
+class LiveServer:
+    """uvicorn on a free loopback port, in a thread; stopped at the end of the session."""
+
+    def __init__(self, app):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise RuntimeError("the test server did not start")
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_gguf):
+    model, tokenizer = load(tiny_gguf)
+    eng = Engine(model, tokenizer, n_slots=4, max_len=512, prefill_chunk=64, model_name="tiny")
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="session")
+def server(engine):
+    live = LiveServer(create_app(engine))
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="session")
+def secured_server(engine):
+    live = LiveServer(create_app(engine, api_key=API_KEY))
+    yield live
+    live.stop()
