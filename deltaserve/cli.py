@@ -113,7 +113,7 @@ def cmd_bench(args):
 def cmd_make_model(args):
     from deltaserve.models import make
 
-    make.main(args.rest)
+    sys.exit(make.main(args.rest))
 
 
 def build_parser() -> argparse.ArgumentParser:
