@@ -110,12 +110,6 @@ def cmd_bench(args):
     raise DeltaserveError("bench takes 'ops' for now: deltaserve bench ops [--T ...] [--heads ...] [--json F]")
 
 
-def cmd_make_model(args):
-    from deltaserve.models import make
-
-    sys.exit(make.main(args.rest))
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltaserve", description="Run and serve hybrid linear-attention models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -152,10 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
     bench.set_defaults(fn=cmd_bench)
 
-    make = sub.add_parser("make-model", help="write a random-weight model for tests and benchmarks", add_help=False,
-                          description="Write a random-weight GGUF (see 'deltaserve make-model --help').")
-    make.add_argument("rest", nargs=argparse.REMAINDER)
-    make.set_defaults(fn=cmd_make_model)
+    from deltaserve.models import make
+
+    maker = sub.add_parser("make-model", help="write a random-weight model for tests and benchmarks",
+                           description="Write a random-weight model as llama.cpp's converter would (GGUF, "
+                                       "optionally also a Hugging Face directory).")
+    make.build_parser(maker)
+    maker.set_defaults(fn=lambda args: sys.exit(make.run(args)))
     return p
 
 

@@ -85,7 +85,8 @@ def _print_row(row, cols):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="deltaserve bench ops", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--T", type=int, nargs="+", default=[1, 64, 512, 4096], help="sequence lengths")
     p.add_argument("--heads", type=int, nargs="+", default=[16, 32], help="value heads (H = HV)")
     p.add_argument("--budget", type=float, default=1.0, help="seconds of repeats per cell")

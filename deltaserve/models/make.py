@@ -623,11 +623,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     """Arguments of `deltaserve make-model`; pass a subparser to add them to it."""
     parser = parser or argparse.ArgumentParser(prog="deltaserve make-model",
                                                description="Write a random-weight model (GGUF, optionally HF).")
-    parser.add_argument("arch", choices=sorted(ARCHES), help="GGUF architecture")
+    parser.add_argument("--arch", required=True, choices=sorted(ARCHES), help="GGUF architecture")
     parser.add_argument("--preset", choices=PRESETS, default="tiny",
                         help="tiny: test sizes; 0.8b: Qwen3.5-0.8B's shapes (default: tiny)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="f16", help="GGUF file type (default: f16)")
-    parser.add_argument("--out", "-o", required=True, type=Path, help="GGUF file to write")
+    parser.add_argument("out", type=Path, help="GGUF file to write")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--hf-dir", type=Path, default=None,
                         help="also write the same weights as a Hugging Face directory here")

@@ -16,7 +16,8 @@ from gguf import quants as gguf_quants
 from safetensors.torch import load_file
 
 from deltaserve.errors import DeltaserveError
-from deltaserve.models.make import ARCHES, HybridShape, main, make_model
+from deltaserve import cli
+from deltaserve.models.make import ARCHES, HybridShape, make_model
 
 ARCH_NAMES = ["qwen35", "qwen35moe", "qwen3next"]
 PROMPT = "The river starts as a thin line of water."
@@ -413,11 +414,14 @@ def test_bad_arguments_are_refused(tmp_path, args, problem):
 
 def test_command_line(tmp_path, capsys):
     out, hf = tmp_path / "m.gguf", tmp_path / "hf"
-    assert main(["qwen3next", "--dtype", "q8_0", "--seed", "3", "-o", str(out), "--hf-dir", str(hf)]) == 0
+    with pytest.raises(SystemExit) as done:
+        cli.main(["make-model", "--arch", "qwen3next", "--dtype", "q8_0", "--seed", "3", str(out), "--hf-dir", str(hf)])
+    assert done.value.code == 0
     reader = GGUFReader(out)
     assert field(reader, "general.architecture") == "qwen3next" and field(reader, "general.file_type") == 7
     assert {p.name for p in hf.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json",
                                               "tokenizer_config.json"}
     assert "wrote" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["qwen35", "--preset", "7b", "-o", str(out)])
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["make-model", "--arch", "qwen35", "--preset", "7b", str(out)])
+    assert refused.value.code != 0
