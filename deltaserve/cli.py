@@ -107,7 +107,10 @@ def cmd_bench(args):
 
         ops.main(args.rest)
         return
-    raise DeltaserveError("bench takes 'ops' for now: deltaserve bench ops [--T ...] [--heads ...] [--json F]")
+    from deltaserve.bench import compare
+
+    rest = args.rest if any(a.startswith("--against") for a in args.rest) else ["--against", "none", *args.rest]
+    compare.main([args.model, *rest])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,9 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="model id in the API (default: the file name)")
     serve.set_defaults(fn=cmd_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks ('deltaserve bench ops' for the kernels)",
-                           description="Benchmarks. 'deltaserve bench ops --help' lists the kernel benchmark's options.")
-    bench.add_argument("model", help="'ops' for the gated-delta-rule kernels")
+    bench = sub.add_parser("bench", help="prefill / decode tokens/s and peak memory of a model (or 'ops')",
+                           description="'deltaserve bench MODEL.gguf [--against llama.cpp]' measures prefill and "
+                                       "decode tokens/s and peak memory; 'deltaserve bench ops' the kernels. "
+                                       "Add --help after MODEL or ops for their options.")
+    bench.add_argument("model", help="a GGUF file, or 'ops' for the gated-delta-rule kernels")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
     bench.set_defaults(fn=cmd_bench)
 

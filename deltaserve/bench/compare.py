@@ -1,0 +1,143 @@
+"""deltaserve beside llama.cpp on the same GGUF, measured in one run.
+
+    python -m deltaserve.bench.compare MODEL.gguf [--against llama.cpp|none] [--reps 3] [--json out.json]
+    deltaserve bench MODEL.gguf --against llama.cpp
+
+Each engine runs in its own worker process (so its peak RSS is its own), alternating, for several
+repetitions. Measured: prefill tokens/s at 512 and 2048 prompt tokens, decode tokens/s (64 greedy tokens
+after a 512-token prompt), peak RSS; the table shows medians and the ratios deltaserve / llama.cpp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+
+def _prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
+    """A fixed pseudo-random prompt of n token ids (both engines get the same ids)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(min(vocab, 30000) // 4, min(vocab, 30000)) for _ in range(n)]
+
+
+def _worker_deltaserve(args) -> dict:
+    import torch
+
+    from deltaserve.engine.llm import LLM
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    llm = LLM(args.model, max_len=max(args.prefill + [512]) + args.decode + 8, prefill_chunk=args.batch, dtype=dtype)
+    vocab = llm.model.config.vocab_size
+    runner, out = llm.runner, {}
+
+    def prefill(ids):
+        runner.reset(0)
+        t = time.perf_counter()
+        for i in range(0, len(ids), args.batch):
+            logits = runner.forward([0], [ids[i:i + args.batch]])
+        return time.perf_counter() - t, logits
+
+    prefill(_prompt(32, vocab))  # warm-up: kernel build, allocator
+    for n in args.prefill:
+        out[f"prefill_{n}"] = n / prefill(_prompt(n, vocab))[0]
+    _, logits = prefill(_prompt(512, vocab))
+    t = time.perf_counter()
+    for _ in range(args.decode):
+        token = int(logits[0].argmax())
+        logits = runner.forward([0], [[token]])
+    out["decode"] = args.decode / (time.perf_counter() - t)
+    return out
+
+
+def _worker_llama(args) -> dict:
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=args.model, n_ctx=max(args.prefill + [512]) + args.decode + 8, n_batch=args.batch,
+                n_ubatch=args.batch, n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+    vocab, out = llm.n_vocab(), {}
+
+    def prefill(ids):
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(ids)
+        return time.perf_counter() - t
+
+    prefill(_prompt(32, vocab))
+    for n in args.prefill:
+        out[f"prefill_{n}"] = n / prefill(_prompt(n, vocab))
+    prefill(_prompt(512, vocab))
+    t = time.perf_counter()
+    for _ in range(args.decode):  # without logits_all, the last logits live only in the context
+        token = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))))
+        llm.eval([token])
+    out["decode"] = args.decode / (time.perf_counter() - t)
+    return out
+
+
+def _run_worker(engine: str, args) -> dict:
+    cmd = [sys.executable, "-m", "deltaserve.bench.compare", args.model, "--worker", engine, "--threads",
+           str(args.threads), "--batch", str(args.batch), "--decode", str(args.decode), "--dtype", args.dtype,
+           "--prefill", *map(str, args.prefill)]
+    env = dict(os.environ, DELTASERVE_NO_PROGRESS="1")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{engine} worker failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="deltaserve bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="a GGUF file")
+    p.add_argument("--against", choices=["llama.cpp", "none"], default="llama.cpp", help="peer (default llama.cpp)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions per engine, alternating (default 3)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for both engines (default: all)")
+    p.add_argument("--batch", type=int, default=512, help="prefill batch / chunk for both engines (default 512)")
+    p.add_argument("--prefill", type=int, nargs="+", default=[512, 2048], help="prompt lengths (default 512 2048)")
+    p.add_argument("--decode", type=int, default=64, help="decode tokens after a 512-token prompt (default 64)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="deltaserve compute dtype")
+    p.add_argument("--json", help="write the results here as JSON")
+    p.add_argument("--worker", choices=["deltaserve", "llama.cpp"], help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.worker:
+        result = (_worker_deltaserve if args.worker == "deltaserve" else _worker_llama)(args)
+        result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(json.dumps(result))
+        return
+
+    engines = ["deltaserve"] + (["llama.cpp"] if args.against == "llama.cpp" else [])
+    runs = {e: [] for e in engines}
+    for rep in range(args.reps):
+        for engine in engines:
+            runs[engine].append(_run_worker(engine, args))
+            print(f"rep {rep + 1}/{args.reps} {engine}: {runs[engine][-1]}", file=sys.stderr, flush=True)
+    metrics = [f"prefill_{n}" for n in args.prefill] + ["decode", "peak_rss_mb"]
+    median = {e: {m: statistics.median(r[m] for r in runs[e]) for m in metrics} for e in engines}
+
+    print(f"\n{os.path.basename(args.model)}, {args.threads} threads, median of {args.reps}")
+    print(f"{'metric':<16}" + "".join(f"{e:>14}" for e in engines) + ("       ratio" if len(engines) > 1 else ""))
+    for m in metrics:
+        unit = " MB" if m == "peak_rss_mb" else " tok/s"
+        row = f"{m + unit:<16}" + "".join(f"{median[e][m]:>14,.1f}" for e in engines)
+        if len(engines) > 1:
+            row += f"{median['deltaserve'][m] / median['llama.cpp'][m]:>11.2f}x"
+        print(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "threads": args.threads, "runs": runs, "median": median}, f, indent=2)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
