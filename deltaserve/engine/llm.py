@@ -15,6 +15,7 @@ import torch
 
 from deltaserve.errors import DeltaserveError
 from deltaserve.loader import open_checkpoint
+from deltaserve.loader.gguf_file import progress_bar
 from deltaserve.models import load_model
 from deltaserve.tokenizer import Tokenizer
 
@@ -82,6 +83,9 @@ class LLM:
 
     def _run(self, req: Request, events: list[Event]):
         self.scheduler.add(req)
+        # a prompt of several chunks shows a prefill bar (on a terminal)
+        bar = progress_bar(len(req.prompt_ids), "prefill", unit="tok") if len(req.prompt_ids) > 2 * self.prefill_chunk \
+            else None
         try:
             while True:
                 while events:
@@ -90,6 +94,11 @@ class LLM:
                     if isinstance(event, Done):
                         return
                 self.scheduler.step()
+                if bar is not None:
+                    bar.update(req.n_fed - bar.n)
+                    if not req.prefilling:
+                        bar.close()
+                        bar = None
         finally:  # a stream abandoned half-way frees its slot
             if req.done is None:
                 req.cancelled = True

@@ -144,13 +144,18 @@ class _HeaderParser:
         return metadata, tensors
 
 
+def progress_bar(total: int, desc: str, unit: str = "B") -> tqdm:
+    """A tqdm bar on stderr, quiet when stderr is not a terminal or DELTASERVE_NO_PROGRESS=1."""
+    quiet = os.environ.get("DELTASERVE_NO_PROGRESS") == "1" or not sys.stderr.isatty()
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=quiet, leave=False)
+
+
 def progress_over_bytes(names: list[str], sizes: list[int], desc: str) -> Iterator[str]:
     """Yield `names`, advancing a tqdm bar by each one's size once the caller has used it.
 
     Quiet when stderr is not a terminal or DELTASERVE_NO_PROGRESS=1.
     """
-    quiet = os.environ.get("DELTASERVE_NO_PROGRESS") == "1" or not sys.stderr.isatty()
-    with tqdm(total=sum(sizes), desc=desc, unit="B", unit_scale=True, disable=quiet) as bar:
+    with progress_bar(sum(sizes), desc) as bar:
         for name, size in zip(names, sizes):
             yield name
             bar.update(size)

@@ -1,13 +1,15 @@
 """Qwen hybrid models: Qwen3.5 (qwen35), Qwen3.5-MoE (qwen35moe) and Qwen3-Next (qwen3next).
 
 Three Gated DeltaNet layers, then one gated full-attention layer, repeated; each followed by a SwiGLU
-MLP or a routed MoE. `QwenModel.forward` advances a batch of sequences held in `HybridState` slots.
+MLP or a routed MoE. `QwenModel.forward` advances a batch of sequences held in `HybridState` slots, or
+without a state runs whole sequences differentiably (training).
 Everything a checkpoint format does differently is undone in `_weights_from_hf` / `_weights_from_gguf`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,7 @@ from torch import nn
 
 from deltaserve.cache.state import HybridState
 from deltaserve.errors import DeltaserveError, ModelLoadError
+from deltaserve.loader.gguf_file import progress_bar
 from deltaserve.models.config import QwenConfig
 from deltaserve.models.layers import MLP, GatedAttention, RMSNorm, RotaryEmbedding, SparseMoE
 from deltaserve.ops import causal_conv1d, gated_delta_rule
@@ -39,20 +42,22 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(self.V, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.HV * self.V, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None,
                 slots: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, T, E]; sequence n continues cache row slots[n] (row n when None) of conv_state [S, W-1, conv_dim]
-        and ssm_state [S, HV, K, V], both updated in place."""
+        and ssm_state [S, HV, K, V], both updated in place. Without states each row starts from zero and
+        nothing is kept (training: the ops then take their differentiable path)."""
         N, T, _ = x.shape
         H, HV, K, V = self.H, self.HV, self.K, self.V
+        cached = conv_state is not None
         qkv, z, b, a = self.in_proj(x).split([self.conv_dim, HV * V, HV, HV], dim=-1)
-        qkv, _ = causal_conv1d(qkv, self.conv_weight, conv_state=conv_state, state_indices=slots, inplace=True,
+        qkv, _ = causal_conv1d(qkv, self.conv_weight, conv_state=conv_state, state_indices=slots, inplace=cached,
                                activation="silu")
         q, k, v = qkv.split([H * K, H * K, HV * V], dim=-1)
         beta = torch.sigmoid(b.float())  # [N, T, HV]
         g = self.A * F.softplus(a.float() + self.dt_bias)  # [N, T, HV] log-decay <= 0
         o, _ = gated_delta_rule(q.view(N, T, H, K), k.view(N, T, H, K), v.view(N, T, HV, V), g, beta,
-                                initial_state=ssm_state, state_indices=slots, inplace=True, use_qk_l2norm=True)
+                                initial_state=ssm_state, state_indices=slots, inplace=cached, use_qk_l2norm=True)
         o = self.norm(o) * F.silu(z.view(N, T, HV, V).float()).to(o.dtype)  # [N, T, HV, V]
         return self.out_proj(o.reshape(N, T, HV * V))
 
@@ -102,8 +107,12 @@ class QwenModel(nn.Module):
             model = cls(config)
         keep_fp32 = {name for name, _ in model.named_parameters()
                      if name.endswith(("norm.weight", ".A", ".dt_bias"))}
-        params = {name: t.to(device=device, dtype=torch.float32 if name in keep_fp32 else dtype)
-                  for name, t in weights}
+        params = {}
+        total = sum(p.numel() * (4 if n in keep_fp32 else dtype.itemsize) for n, p in model.named_parameters())
+        with progress_bar(total, f"loading {Path(ckpt.path).name}") as bar:
+            for name, t in weights:  # one tensor at a time: the file's copy is never held whole
+                params[name] = t.to(device=device, dtype=torch.float32 if name in keep_fp32 else dtype)
+                bar.update(params[name].nbytes)
         missing = sorted(set(dict(model.named_parameters())) - set(params))
         if missing:  # a bug in the weight functions, not in the file
             raise ModelLoadError(ckpt.path, f"internal weights not produced: {missing[:5]}")
@@ -117,27 +126,41 @@ class QwenModel(nn.Module):
             conv=(cfg.conv_kernel - 1, cfg.conv_dim), ssm=(cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim),
             k=(cfg.num_kv_heads, cfg.head_dim), v=(cfg.num_kv_heads, cfg.head_dim), dtype=p.dtype, device=p.device)
 
-    @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, state: HybridState, slots, logits: str = "last") -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, state: HybridState | None = None, slots=None,
+                logits: str = "last") -> torch.Tensor:
         """Continue N sequences by T tokens each. input_ids [N, T]; slots [N] rows of `state`.
 
         Writes the new recurrent state and KV entries in place and advances state.lengths[slots] by T.
         Returns float32 logits [N, vocab] for the last token ("last") or [N, T, vocab] ("all").
+        Without `state` (training): each row is a whole sequence from an empty state, nothing is kept,
+        gradients flow, and the logits of every position come back, [N, T, vocab].
         """
-        input_ids, slots = self._check(input_ids, state, slots, logits)
-        N, T = input_ids.shape
-        start = state.lengths[slots]  # [N] tokens already in each slot
-        cos, sin = self.rotary(start[:, None] + torch.arange(T, device=start.device))
+        if state is None:
+            input_ids = _check_ids(input_ids, self.config.vocab_size).to(self.embed.weight.device)
+            N, T = input_ids.shape
+            positions = torch.arange(T, device=input_ids.device).expand(N, T)
+            return self._trunk(input_ids, positions, None, None, None, "all")
+        with torch.no_grad():
+            input_ids, slots = self._check(input_ids, state, slots, logits)
+            start = state.lengths[slots]  # [N] tokens already in each slot
+            out = self._trunk(input_ids, start[:, None] + torch.arange(input_ids.shape[1], device=start.device),
+                              state, slots, start, logits)
+            state.lengths[slots] = start + input_ids.shape[1]
+            return out
+
+    def _trunk(self, input_ids, positions, state: HybridState | None, slots, start, logits: str) -> torch.Tensor:
+        cos, sin = self.rotary(positions)
         h = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer.input_norm(h)
             if layer.recurrent:  # the ops read and write the cache rows of `slots` in place
-                x = layer.mixer(x, state.conv[i], state.ssm[i], slots)
+                conv, ssm = (None, None) if state is None else (state.conv[i], state.ssm[i])
+                x = layer.mixer(x, conv, ssm, slots)
             else:
-                x = layer.mixer(x, cos, sin, state.k[i], state.v[i], slots, start)
+                k_cache, v_cache = (None, None) if state is None else (state.k[i], state.v[i])
+                x = layer.mixer(x, cos, sin, k_cache, v_cache, slots, start)
             h = h + x
             h = h + layer.ffn(layer.post_norm(h))
-        state.lengths[slots] = start + T
         h = self.norm(h[:, -1] if logits == "last" else h)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, head).float()
@@ -145,24 +168,31 @@ class QwenModel(nn.Module):
     def _check(self, input_ids, state: HybridState, slots, logits: str):
         if logits not in ("last", "all"):
             raise DeltaserveError(f"logits must be 'last' or 'all', got {logits!r}")
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
-            got = (f"{input_ids.dtype} {list(input_ids.shape)}" if isinstance(input_ids, torch.Tensor)
-                   else type(input_ids).__name__)
-            raise DeltaserveError(f"input_ids must be an int64 tensor [N, T], got {got}")
-        N, T = input_ids.shape
+        N, T = _check_ids(input_ids, self.config.vocab_size).shape
         slots = torch.as_tensor(slots, dtype=torch.long, device=state.lengths.device).reshape(-1)
         if slots.numel() != N or N == 0 or T == 0:
             raise DeltaserveError(f"input_ids {list(input_ids.shape)} needs N, T >= 1 and one slot per row, "
                                   f"got {slots.numel()} slots")
         if (int(slots.min()) < 0 or int(slots.max()) >= state.n_slots or slots.unique().numel() != N):
             raise DeltaserveError(f"slots {slots.tolist()} must be distinct and in [0, {state.n_slots})")
-        if (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
-            raise DeltaserveError(f"token ids must be in [0, {self.config.vocab_size}), got "
-                                  f"[{int(input_ids.min())}, {int(input_ids.max())}]")
         if state.max_len and int(state.lengths[slots].max()) + T > state.max_len:
             raise DeltaserveError(f"slots {slots.tolist()} at lengths {state.lengths[slots].tolist()} cannot take "
                                   f"{T} more tokens (max_len {state.max_len})")
         return input_ids.to(self.embed.weight.device), slots
+
+
+def _check_ids(input_ids, vocab_size: int) -> torch.Tensor:
+    """input_ids must be an int64 tensor [N, T] with N, T >= 1 and every id in [0, vocab_size)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        got = (f"{input_ids.dtype} {list(input_ids.shape)}" if isinstance(input_ids, torch.Tensor)
+               else type(input_ids).__name__)
+        raise DeltaserveError(f"input_ids must be an int64 tensor [N, T], got {got}")
+    if input_ids.numel() == 0:
+        raise DeltaserveError(f"input_ids {list(input_ids.shape)} needs N, T >= 1")
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size:
+        raise DeltaserveError(f"token ids must be in [0, {vocab_size}), got "
+                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+    return input_ids
 
 
 # ---------------------------------------------------------------------------- checkpoint formats
