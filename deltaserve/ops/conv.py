@@ -9,13 +9,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import fused
 from .checks import check_cu_seqlens, check_reset, check_state_indices, fail
 
 
 def causal_conv1d(x, weight, bias=None, *, conv_state=None, reset=None, cu_seqlens=None, state_indices=None,
-                  inplace=False, activation="silu"):
+                  inplace=False, activation="silu", backend="auto"):
     """y[t, c] = act(bias[c] + sum_w weight[c, w] * x[t - (W-1) + w, c]), inputs before the sequence taken
     from conv_state. state_indices [N]: conv_state is a cache of S slots, sequence n uses slot state_indices[n].
+    backend: "torch", "fused" (the C++ CPU kernel, float32) or "auto" (fused on CPU where it compiled).
     Returns (y [B, T, C] in x's dtype, new conv state [N, W-1, C], or the whole cache when inplace)."""
     if x.dim() != 3:
         fail("x", "must be [B, T, C]", x=x)
@@ -26,6 +28,8 @@ def causal_conv1d(x, weight, bias=None, *, conv_state=None, reset=None, cu_seqle
         fail("bias", f"must be [{Ch}]", bias=bias)
     if activation not in (None, "silu"):
         raise ValueError(f"activation must be None or 'silu', got {activation!r}")
+    if backend not in ("auto", "torch", "fused"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'fused', got {backend!r}")
     W = weight.shape[1]
     N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T)
     if state_indices is not None:
@@ -38,18 +42,56 @@ def causal_conv1d(x, weight, bias=None, *, conv_state=None, reset=None, cu_seqle
     if inplace and conv_state is None:
         raise ValueError("inplace=True needs a conv_state to write into")
     reset = check_reset(reset, N, x.device)
+    if backend == "auto":
+        backend = "fused" if x.device.type == "cpu" and fused.available() else "torch"
+    if backend == "fused" and x.device.type != "cpu":
+        raise ValueError(f"backend='fused' runs on CPU tensors only, got device {x.device}")
 
-    dtype = torch.promote_types(x.dtype, weight.dtype)
-    if conv_state is None:
+    dtype = torch.float32 if backend == "fused" else torch.promote_types(x.dtype, weight.dtype)
+    direct = backend == "fused" and inplace and conv_state.dtype == dtype and conv_state.is_contiguous()
+    if direct:  # the kernel updates the cache rows where they lie
+        state = conv_state
+        if reset is not None:
+            rows = torch.arange(N, device=x.device) if state_indices is None else state_indices
+            state.index_fill_(0, rows[reset], 0)
+    elif conv_state is None:
         state = x.new_zeros(N, W - 1, Ch, dtype=dtype)
     else:
         state = (conv_state if state_indices is None else conv_state[state_indices]).to(dtype)
-    if reset is not None:
-        state = state.masked_fill(reset[:, None, None], 0)  # masked_fill, not multiply: NaN must not leak
+        if reset is not None:
+            state = state.masked_fill(reset[:, None, None], 0)  # masked_fill, not multiply: NaN must not leak
+        if backend == "fused":
+            state = state.clone(memory_format=torch.contiguous_format)  # the kernel writes its state argument
 
+    if backend == "fused":
+        cu = cu_seqlens.cpu() if cu_seqlens is not None else torch.arange(0, (B + 1) * T, T)
+        y = torch.empty(B * T, Ch, dtype=dtype)
+        idx = state_indices if direct and state_indices is not None else torch.empty(0, dtype=torch.int64)
+        empty = torch.empty(0, dtype=dtype)
+        fused.extension().conv_forward(x.reshape(B * T, Ch).to(dtype).contiguous(),
+                                       weight.t().to(dtype).contiguous(),
+                                       empty if bias is None else bias.to(dtype).contiguous(), state,
+                                       cu.to(torch.int64), idx, y, activation == "silu")
+        y, new_state = y.view(B, T, Ch), state
+    else:
+        y, new_state = _conv_torch(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype), state,
+                                   cu_seqlens, activation)
+    if inplace and not direct:
+        if state_indices is None:
+            conv_state.copy_(new_state)
+        else:
+            conv_state.index_copy_(0, state_indices, new_state.to(conv_state.dtype))
+    if inplace:
+        new_state = conv_state
+    return y.to(x.dtype), new_state
+
+
+def _conv_torch(x, weight, bias, state, cu_seqlens, activation):
+    """The conv in torch ops: x [B, T, C], state [N, W-1, C] -> (y [B, T, C], new state [N, W-1, C])."""
+    (B, T, Ch), W, N = x.shape, weight.shape[1], state.shape[0]
     if cu_seqlens is None:
-        xp = torch.cat([state, x.to(dtype)], dim=1)  # [B, W-1+T, C]
-        y = sum(xp[:, w:w + T] * weight[:, w].to(dtype) for w in range(W))
+        xp = torch.cat([state, x], dim=1)  # [B, W-1+T, C]
+        y = sum(xp[:, w:w + T] * weight[:, w] for w in range(W))
         new_state = xp[:, T:]
     else:
         # Packed: lay each sequence after its own state, [state_n | tokens_n], then read windows by index.
@@ -57,19 +99,13 @@ def causal_conv1d(x, weight, bias=None, *, conv_state=None, reset=None, cu_seqle
         seq_of = torch.repeat_interleave(torch.arange(N, device=x.device), lens, output_size=T)
         tok_pos = torch.arange(T, device=x.device) + (seq_of + 1) * (W - 1)  # token t's place in xp
         starts = cu_seqlens[:-1] + torch.arange(N, device=x.device) * (W - 1)  # where state n begins
-        xp = x.new_empty(T + N * (W - 1), Ch, dtype=dtype)
-        xp[tok_pos] = x[0].to(dtype)
+        xp = x.new_empty(T + N * (W - 1), Ch)
+        xp[tok_pos] = x[0]
         xp[(starts[:, None] + torch.arange(W - 1, device=x.device)).flatten()] = state.reshape(-1, Ch)
-        y = sum(xp[tok_pos - (W - 1) + w] * weight[:, w].to(dtype) for w in range(W))[None]
+        y = sum(xp[tok_pos - (W - 1) + w] * weight[:, w] for w in range(W))[None]
         new_state = xp[(starts + lens)[:, None] + torch.arange(W - 1, device=x.device)]  # last W-1 of each block
     if bias is not None:
-        y = y + bias.to(dtype)
+        y = y + bias
     if activation == "silu":
         y = F.silu(y)
-    if inplace:
-        if state_indices is None:
-            conv_state.copy_(new_state)
-        else:
-            conv_state.index_copy_(0, state_indices, new_state.to(conv_state.dtype))
-        new_state = conv_state
-    return y.to(x.dtype), new_state
+    return y, new_state

@@ -19,7 +19,7 @@ _SOURCE = Path(__file__).parent / "csrc" / "gdr_cpu.cpp"
 
 
 @functools.cache
-def _extension():
+def extension():
     from torch.utils import cpp_extension
 
     source = _SOURCE.read_bytes()
@@ -52,7 +52,7 @@ def _cpu_flags() -> str:
 def available() -> bool:
     """True when the CPU kernel compiles and loads here (the result is cached per process)."""
     try:
-        _extension()
+        extension()
         return True
     except Exception:  # no compiler, no ninja, unsupported platform: the torch paths still work
         return False
@@ -70,6 +70,6 @@ def fused(q, k, v, g, beta, *, scale, state, cu_seqlens, snapshots, use_qk_l2nor
     idx = torch.empty(0, dtype=torch.int64) if state_indices is None else state_indices.to(torch.int64).contiguous()
     snaps = torch.empty((N, snapshots, HV, K, V) if snapshots else (0,), dtype=f32)
     o = torch.empty_like(v)
-    _extension().gdr_forward(q, k, v, g, beta, state, cu_seqlens.to(torch.int64).contiguous(), idx, o, snaps,
+    extension().gdr_forward(q, k, v, g, beta, state, cu_seqlens.to(torch.int64).contiguous(), idx, o, snaps,
                              float(scale), bool(use_qk_l2norm))
     return o[None], state, (snaps if snapshots else None)

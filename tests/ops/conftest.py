@@ -26,3 +26,10 @@ def backend(request):
     if request.param == "fused" and not fused.available():
         pytest.skip("fused CPU kernel did not compile here (no C++ compiler or ninja)")
     return request.param
+
+
+@pytest.fixture(params=["torch", "fused"])
+def conv_backend(request):
+    if request.param == "fused" and not fused.available():
+        pytest.skip("fused CPU kernel did not compile here (no C++ compiler or ninja)")
+    return request.param

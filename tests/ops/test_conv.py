@@ -18,63 +18,65 @@ def torch_reference(history, weight, bias, silu=True):
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("W", [2, 4], ids=lambda w: f"W{w}")
 @pytest.mark.parametrize("T", [1, 2, 3, 37], ids=lambda t: f"T{t}")
-def test_matches_conv1d_with_state(T, W, with_bias):
+def test_matches_conv1d_with_state(conv_backend, T, W, with_bias):
     B, C = 2, 13
     x, w, state = torch.randn(B, T, C), torch.randn(C, W), torch.randn(B, W - 1, C)
     bias = torch.randn(C) if with_bias else None
-    y, new_state = causal_conv1d(x, w, bias, conv_state=state)
+    y, new_state = causal_conv1d(x, w, bias, conv_state=state, backend=conv_backend)
     for b in range(B):
         history = torch.cat([state[b], x[b]])
         torch.testing.assert_close(y[b].double(), torch_reference(history, w, bias), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(new_state[b], history[-(W - 1):])
 
 
-def test_no_state_means_zero_history():
+def test_no_state_means_zero_history(conv_backend):
     x, w = torch.randn(1, 9, 6), torch.randn(6, 4)
-    y, s = causal_conv1d(x, w, activation=None)
+    y, s = causal_conv1d(x, w, activation=None, backend=conv_backend)
     ref = torch_reference(torch.cat([torch.zeros(3, 6), x[0]]), w, None, silu=False)
     torch.testing.assert_close(y[0].double(), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s[0], x[0, -3:])
 
 
-def test_split_calls_equal_one_call():
+def test_split_calls_equal_one_call(conv_backend):
     x, w, state = torch.randn(2, 30, 7), torch.randn(7, 4), torch.randn(2, 3, 7)
-    y_all, s_all = causal_conv1d(x, w, conv_state=state)
+    y_all, s_all = causal_conv1d(x, w, conv_state=state, backend="torch")
     s, ys = state.clone(), []
     for a, b in [(0, 1), (1, 3), (3, 4), (4, 30)]:
-        y, s = causal_conv1d(x[:, a:b], w, conv_state=s, inplace=True)
+        y, s = causal_conv1d(x[:, a:b], w, conv_state=s, inplace=True, backend=conv_backend)
         ys.append(y)
     torch.testing.assert_close(torch.cat(ys, 1), y_all)
     torch.testing.assert_close(s, s_all)
 
 
 @pytest.mark.parametrize("lens", [(4, 1, 9), (0, 2, 5), (1, 1, 1, 1)], ids=lambda l: "lens" + "-".join(map(str, l)))
-def test_packed_equals_separate(lens):
+def test_packed_equals_separate(conv_backend, lens):
     C, W = 5, 4
     T = sum(lens)
     x, w, state = torch.randn(1, T, C), torch.randn(C, W), torch.randn(len(lens), W - 1, C)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-    y, new_state = causal_conv1d(x, w, conv_state=state, cu_seqlens=cu)
+    y, new_state = causal_conv1d(x, w, conv_state=state, cu_seqlens=cu, backend=conv_backend)
     for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        y_n, s_n = causal_conv1d(x[:, a:b], w, conv_state=state[n:n + 1])
+        y_n, s_n = causal_conv1d(x[:, a:b], w, conv_state=state[n:n + 1], backend="torch")
         torch.testing.assert_close(y[:, a:b], y_n)
         torch.testing.assert_close(new_state[n:n + 1], s_n)
 
 
-def test_reset_ignores_garbage_and_inplace_writes_slot():
+def test_reset_ignores_garbage_and_inplace_writes_slot(conv_backend):
     x, w = torch.randn(3, 5, 4), torch.randn(4, 4)
     state = torch.randn(3, 3, 4)
     state[0] = float("nan")
-    expected_y, expected_s = causal_conv1d(x, w, conv_state=torch.cat([torch.zeros(1, 3, 4), state[1:]]))
-    y, s = causal_conv1d(x, w, conv_state=state, reset=torch.tensor([True, False, False]), inplace=True)
+    expected_y, expected_s = causal_conv1d(x, w, conv_state=torch.cat([torch.zeros(1, 3, 4), state[1:]]),
+                                           backend="torch")
+    y, s = causal_conv1d(x, w, conv_state=state, reset=torch.tensor([True, False, False]), inplace=True,
+                         backend=conv_backend)
     assert s is state
     torch.testing.assert_close(y, expected_y)
     torch.testing.assert_close(state, expected_s)
 
 
-def test_bfloat16_input_keeps_dtype():
+def test_bfloat16_input_keeps_dtype(conv_backend):
     x, w = torch.randn(1, 6, 8, dtype=torch.bfloat16), torch.randn(8, 4)
-    y, _ = causal_conv1d(x, w)
+    y, _ = causal_conv1d(x, w, backend=conv_backend)
     assert y.dtype == torch.bfloat16
     ref = torch_reference(torch.cat([torch.zeros(3, 8), x[0].float()]), w, None)
     torch.testing.assert_close(y[0].double(), ref, rtol=2e-2, atol=2e-2)
@@ -94,13 +96,13 @@ def test_bad_arguments(kwargs, match):
         causal_conv1d(args.pop("x"), args.pop("weight"), **args)
 
 
-def test_state_indices_update_only_their_slots():
+def test_state_indices_update_only_their_slots(conv_backend):
     x, w = torch.randn(2, 3, 5), torch.randn(5, 4)
     cache = torch.randn(4, 3, 5)
     before = cache.clone()
     slots = torch.tensor([3, 1])
-    y_ref, s_ref = causal_conv1d(x, w, conv_state=before[slots])
-    y, out = causal_conv1d(x, w, conv_state=cache, state_indices=slots, inplace=True)
+    y_ref, s_ref = causal_conv1d(x, w, conv_state=before[slots], backend="torch")
+    y, out = causal_conv1d(x, w, conv_state=cache, state_indices=slots, inplace=True, backend=conv_backend)
     assert out is cache
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(cache[slots], s_ref)

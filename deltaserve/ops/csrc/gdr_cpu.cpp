@@ -185,8 +185,56 @@ void gdr_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tenso
   });
 }
 
+// Short causal depthwise conv with its state. x [T, C]; weight_t [W, C] (tap-major, so the channel loop is
+// contiguous); bias [C] or empty; state [S, W-1, C] (in/out, the last W-1 inputs, oldest first);
+// cu_seqlens [N + 1]; state_idx [N] or empty; out [T, C]. Threads over (sequence, block of channels).
+void conv_forward(torch::Tensor x, torch::Tensor weight_t, torch::Tensor bias, torch::Tensor state,
+                  torch::Tensor cu_seqlens, torch::Tensor state_idx, torch::Tensor out, bool silu) {
+  const int64_t C = x.size(1), W = weight_t.size(0), N = cu_seqlens.size(0) - 1;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight_t.data_ptr<float>();
+  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  float* sp = state.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
+  const int64_t* idx = state_idx.numel() ? state_idx.data_ptr<int64_t>() : nullptr;
+  constexpr int64_t CB = 256;
+  const int64_t blocks = (C + CB - 1) / CB;
+  at::parallel_for(0, N * blocks, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> hist((W - 1) * CB);
+    alignas(64) float y[CB];
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t n = task / blocks, c0 = (task % blocks) * CB, cb = std::min(CB, C - c0);
+      float* st = sp + (idx ? idx[n] : n) * (W - 1) * C + c0;
+      for (int64_t w = 0; w < W - 1; ++w)
+        for (int64_t c = 0; c < cb; ++c) hist[w * CB + c] = st[w * C + c];
+      for (int64_t t = cu[n]; t < cu[n + 1]; ++t) {
+        const float* xt = xp + t * C + c0;
+        const float* wl = wp + (W - 1) * C + c0;
+#pragma omp simd
+        for (int64_t c = 0; c < cb; ++c) y[c] = (bp ? bp[c0 + c] : 0.f) + wl[c] * xt[c];
+        for (int64_t w = 0; w < W - 1; ++w) {
+          const float* ww = wp + w * C + c0;
+          const float* hw = hist.data() + w * CB;
+#pragma omp simd
+          for (int64_t c = 0; c < cb; ++c) y[c] += ww[c] * hw[c];
+        }
+        for (int64_t w = 0; w + 1 < W - 1; ++w)  // slide the window by one input
+          std::copy(hist.begin() + (w + 1) * CB, hist.begin() + (w + 1) * CB + cb, hist.begin() + w * CB);
+        if (W > 1) std::copy(xt, xt + cb, hist.begin() + (W - 2) * CB);
+        float* ot = op + t * C + c0;
+#pragma omp simd
+        for (int64_t c = 0; c < cb; ++c) ot[c] = silu ? y[c] / (1.f + std::exp(-y[c])) : y[c];
+      }
+      for (int64_t w = 0; w < W - 1; ++w)
+        for (int64_t c = 0; c < cb; ++c) st[w * C + c] = hist[w * CB + c];
+    }
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdr_forward", &gdr_forward, "fused gated delta rule (CPU, float32)");
+  m.def("conv_forward", &conv_forward, "short causal depthwise conv with state (CPU, float32)");
 }
