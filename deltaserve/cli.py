@@ -61,12 +61,13 @@ def cmd_chat(args):
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("deltaserve chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
-        try:
-            line = input("> ").strip()
+        try:  # a prompt and line editing on a terminal; plain lines from a pipe
+            line = input("> ") if sys.stdin.isatty() else sys.stdin.readline()
         except EOFError:
             break
-        if not line:
+        if not line.strip():
             break
+        line = line.strip()
         messages.append({"role": "user", "content": line})
         prompt = tok.apply_chat_template(messages, add_generation_prompt=True) if tok.chat_template \
             else _plain_chat(messages)

@@ -1,8 +1,9 @@
-"""Model definitions: configs, shared layers and the Qwen hybrid family."""
+"""Model definitions: configs, shared layers, the Qwen hybrid family and Kimi Linear."""
 
 from deltaserve.errors import ModelLoadError
 
-from .config import QwenConfig
+from .config import KimiConfig, QwenConfig
+from .kimi import KimiModel
 from .qwen import QwenModel
 
 # GGUF general.architecture / HF model_type -> model class
@@ -10,6 +11,7 @@ ARCHITECTURES = {
     "qwen35": QwenModel, "qwen35moe": QwenModel, "qwen3next": QwenModel,
     "qwen3_5": QwenModel, "qwen3_5_text": QwenModel, "qwen3_5_moe": QwenModel, "qwen3_5_moe_text": QwenModel,
     "qwen3_next": QwenModel,
+    "kimi-linear": KimiModel, "kimi_linear": KimiModel,
 }
 
 
@@ -24,4 +26,4 @@ def load_model(ckpt, dtype=None, device="cpu"):
     return ARCHITECTURES[arch].from_checkpoint(ckpt, dtype=dtype or torch.float32, device=device)
 
 
-__all__ = ["ARCHITECTURES", "QwenConfig", "QwenModel", "load_model"]
+__all__ = ["ARCHITECTURES", "KimiConfig", "KimiModel", "QwenConfig", "QwenModel", "load_model"]

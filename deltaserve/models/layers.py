@@ -1,5 +1,6 @@
 """Building blocks shared by the hybrid models: RMSNorm, partial rotary embedding, gated attention over
-a per-slot KV cache, SwiGLU MLP and a softmax-routed mixture of experts.
+a per-slot KV cache (or none, for training), SwiGLU MLP and mixtures of experts routed by softmax or by
+sigmoid with a bias.
 
 Weights are stored ready to compute: norms hold their final multiplier (float32), fused projections
 hold their row blocks in the order `forward` splits them. Checkpoint quirks live in the model files.
@@ -77,6 +78,16 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     return o.view(N, nkv, group, T, dv).permute(0, 3, 1, 2, 4).reshape(N, T, nh, dv)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention within each row, nothing cached (training). q [N, T, nh, dk]; k [N, T, nkv, dk];
+    v [N, T, nkv, dv]; query head h reads kv head h // (nh / nkv). Returns [N, T, nh, dv]."""
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                       scale=scale)
+    return o.transpose(1, 2)
+
+
 class GatedAttention(nn.Module):
     """Full attention with q/k RMSNorm, partial rope, grouped KV and an output gate sigmoid(x W_g)."""
 
@@ -89,14 +100,20 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, slots: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor | None = None,
+                v_cache: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                start: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, T, E]. With caches: continue the sequences in cache rows `slots` from position `start`;
+        without: each row is a whole sequence and nothing is kept (training)."""
         N, T, _ = x.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         q, gate, k, v = self.qkv_proj(x).split([nh * hd, nh * hd, nkv * hd, nkv * hd], dim=-1)
         q = apply_rotary(self.q_norm(q.view(N, T, nh, hd)), cos, sin)
         k = apply_rotary(self.k_norm(k.view(N, T, nkv, hd)), cos, sin)
-        o = cached_attention(q, k, v.view(N, T, nkv, hd), k_cache, v_cache, slots, start, hd ** -0.5)
+        if k_cache is None:
+            o = causal_attention(q, k, v.view(N, T, nkv, hd), hd ** -0.5)
+        else:
+            o = cached_attention(q, k, v.view(N, T, nkv, hd), k_cache, v_cache, slots, start, hd ** -0.5)
         return self.o_proj(o.reshape(N, T, nh * hd) * torch.sigmoid(gate))
 
 
@@ -169,4 +186,49 @@ class SparseMoE(nn.Module):
         out = self.experts(flat, ids, weights)
         if self.shared is not None:
             out = out + torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
+        return out.view(x.shape)
+
+
+def sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, normalize: bool, scale: float,
+                 n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router of DeepSeek-V3 / Kimi: sigmoid scores; experts are chosen by score + bias (the bias only
+    balances the load), among the topk_group groups whose two best biased scores sum highest, and
+    weighted by their unbiased scores (renormalised if asked), times `scale`.
+    logits [M, n_experts] -> weights [M, k] float32, expert ids [M, k]."""
+    scores = logits.float().sigmoid()
+    choice = scores + bias.float()
+    if topk_group < n_group:
+        grouped = choice.view(choice.shape[0], n_group, -1)  # [M, groups, experts per group]
+        best = grouped.topk(2, dim=-1).values.sum(-1).topk(topk_group, dim=-1).indices  # [M, topk_group]
+        keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+    ids = choice.topk(k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
+class SigmoidMoE(nn.Module):
+    """Sigmoid top-k routed experts (see sigmoid_topk) plus always-on shared experts without a gate.
+    The router and its bias stay float32 (transformers keeps them so)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, shared_intermediate: int,
+                 normalize: bool, scale: float, n_group: int = 1, topk_group: int = 1):
+        super().__init__()
+        self.top_k, self.normalize, self.scale = top_k, normalize, scale
+        self.n_group, self.topk_group = n_group, topk_group
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.expert_bias = nn.Parameter(torch.zeros(num_experts))
+        self.experts = Experts(num_experts, hidden, intermediate)
+        self.shared = MLP(hidden, shared_intermediate) if shared_intermediate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [M, hidden]
+        logits = F.linear(flat.float(), self.router.weight.float())
+        weights, ids = sigmoid_topk(logits, self.expert_bias, self.top_k, self.normalize, self.scale,
+                                    self.n_group, self.topk_group)
+        out = self.experts(flat, ids, weights)
+        if self.shared is not None:
+            out = out + self.shared(flat)
         return out.view(x.shape)

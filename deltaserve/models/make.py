@@ -16,6 +16,8 @@ src/models/qwen35.cpp, qwen35moe.cpp and qwen3next.cpp require when they load:
   [all q | all k | all v] plus attn_gate [all z]; in_proj_ba is stored as ssm_ba unchanged.
 - experts are stacked into ffn_{gate,up,down}_exps; 1-D tensors, norms, the routers and the conv
   stay float32; a matrix whose rows do not split into q8_0 blocks falls back to float16.
+- kimi-linear (conversion/kimi_linear.py, src/models/kimi-linear.cpp) is drawn in Moonshot's release
+  layout; its transforms are listed on `KimiLinear`.
 
 An architecture is one `ArchMaker` in `ARCHES`: its presets, Hugging Face config, random tensors
 (one layer at a time) and conversion. Both files are streamed so the 0.8b presets fit in memory.
@@ -35,7 +37,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import gguf
 import numpy as np
@@ -51,12 +53,13 @@ DTYPES = {
     "f16": (QType.F16, LlamaFileType.MOSTLY_F16),
     "q8_0": (QType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
 }
-PRESETS = ("tiny", "0.8b")
+PRESETS = ("tiny", "small", "0.8b")  # each architecture has some of these
 EMBEDDING_STD = 0.02
 
 # The converter keeps these matrices float32 whatever the file type (ModelBase.prepare_tensors).
 _ALWAYS_F32 = {gguf.TENSOR_NAMES[t].removeprefix("blk.{bid}.") + ".weight"
-               for t in (MODEL_TENSOR.FFN_GATE_INP, MODEL_TENSOR.FFN_GATE_INP_SHEXP, MODEL_TENSOR.SSM_CONV1D)}
+               for t in (MODEL_TENSOR.FFN_GATE_INP, MODEL_TENSOR.FFN_GATE_INP_SHEXP, MODEL_TENSOR.SSM_CONV1D,
+                         MODEL_TENSOR.SSM_CONV1D_Q, MODEL_TENSOR.SSM_CONV1D_K, MODEL_TENSOR.SSM_CONV1D_V)}
 
 Group = dict[str, torch.Tensor]  # Hugging Face name -> bfloat16 tensor, one layer's worth
 
@@ -424,6 +427,213 @@ def _split_qkvz(s: HybridShape, t: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return torch.cat(flat[:3]), flat[3]
 
 
+# -- Kimi Linear -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KimiShape:
+    """Hyper-parameters of a Kimi Linear model (KDA + rope-less MLA, sigmoid-routed MoE).
+
+    llama.cpp's kimi-linear sizes KDA and MLA layers by one `attention.head_count`, so `heads` serves
+    both. Layer i is MLA when (i + 1) % full_attention_interval == 0 (Kimi-Linear-48B: 4, 8, .., 1-based),
+    the first `dense_layers` layers have a dense MLP and the rest the MoE. `vocab=None`: the tokenizer's size.
+    """
+
+    hidden: int
+    layers: int
+    heads: int
+    kda_head_dim: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    intermediate: int
+    experts: int
+    experts_used: int
+    expert_ffn: int
+    shared_experts: int = 1
+    dense_layers: int = 1
+    routed_scaling_factor: float = 2.446
+    vocab: int | None = None
+    tied_embeddings: bool = False
+    conv_kernel: int = 4
+    full_attention_interval: int = 4
+    rms_eps: float = 1e-5
+    max_positions: int = 1048576
+
+    def __post_init__(self):
+        sizes = {k: getattr(self, k) for k in ("hidden", "layers", "heads", "kda_head_dim", "kv_lora_rank",
+                                               "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate",
+                                               "experts", "expert_ffn", "conv_kernel", "full_attention_interval")}
+        if bad := [f"{k}={v}" for k, v in sizes.items() if v < 1]:
+            raise DeltaserveError(f"model shape: {', '.join(bad)} must be positive")
+        if not 0 < self.experts_used <= self.experts:
+            raise DeltaserveError(f"model shape: experts_used={self.experts_used} must be in [1, {self.experts}]")
+        if not 0 <= self.dense_layers < self.layers:
+            raise DeltaserveError(f"model shape: dense_layers={self.dense_layers} must be in [0, {self.layers})")
+
+    @property
+    def kda_dim(self) -> int:
+        return self.heads * self.kda_head_dim
+
+    def is_recurrent(self, layer: int) -> bool:
+        return (layer + 1) % self.full_attention_interval != 0
+
+
+@dataclass(frozen=True)
+class KimiLinear:
+    """kimi-linear, drawn in Moonshot's release layout (Kimi-Linear-48B-A3B-Instruct: config.json with
+    linear_attn_config, q/k/v_conv1d, block_sparse_moe.experts.{j}.w1/w2/w3) and converted like
+    conversion/kimi_linear.py: A_log -> ssm_a = -exp(A_log), dt_bias -> ssm_dt.bias, convs [C, 1, W] ->
+    [1, C, 1, W], kv_b_proj split per head into attn_k_b (transposed) and attn_v_b, MLA as one kv head."""
+
+    gguf_arch: str = "kimi-linear"
+    hf_model_type: str = "kimi_linear"
+    hf_class: str = "KimiLinearForCausalLM"
+    presets: dict[str, KimiShape] = field(default_factory=dict)
+
+    def hf_config(self, s: KimiShape, tokenizer: Tokenizer) -> dict:
+        layers = range(1, s.layers + 1)  # Moonshot numbers layers from 1 here
+        return {
+            "architectures": [self.hf_class], "model_type": self.hf_model_type,
+            "vocab_size": s.vocab, "hidden_size": s.hidden, "num_hidden_layers": s.layers,
+            "intermediate_size": s.intermediate, "moe_intermediate_size": s.expert_ffn,
+            "num_attention_heads": s.heads, "num_key_value_heads": s.heads, "hidden_act": "silu",
+            "kv_lora_rank": s.kv_lora_rank, "q_lora_rank": None, "qk_nope_head_dim": s.qk_nope_head_dim,
+            "qk_rope_head_dim": s.qk_rope_head_dim, "v_head_dim": s.v_head_dim, "mla_use_nope": True,
+            "num_experts": s.experts, "num_experts_per_token": s.experts_used,
+            "num_shared_experts": s.shared_experts, "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
+            "routed_scaling_factor": s.routed_scaling_factor, "first_k_dense_replace": s.dense_layers,
+            "moe_layer_freq": 1, "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
+            "linear_attn_config": {
+                "kda_layers": [i for i in layers if s.is_recurrent(i - 1)],
+                "full_attn_layers": [i for i in layers if not s.is_recurrent(i - 1)],
+                "head_dim": s.kda_head_dim, "num_heads": s.heads, "short_conv_kernel_size": s.conv_kernel,
+            },
+            "rms_norm_eps": s.rms_eps, "model_max_length": s.max_positions,
+            "tie_word_embeddings": s.tied_embeddings, "attention_bias": False,
+            "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id, "dtype": "bfloat16",
+        }
+
+    def hf_tensors(self, s: KimiShape, draw: Draw, n_tokens: int) -> Iterator[Group]:
+        yield {"model.embed_tokens.weight": _only_tokens(draw.normal(s.vocab, s.hidden, std=EMBEDDING_STD), n_tokens)}
+        for i in range(s.layers):
+            p = f"model.layers.{i}."
+            group = {p + "input_layernorm.weight": draw.normal(s.hidden, std=0.05, mean=1.0)}  # plain multipliers
+            group |= self._kda(s, draw, p + "self_attn.") if s.is_recurrent(i) else self._mla(s, draw, p + "self_attn.")
+            group[p + "post_attention_layernorm.weight"] = draw.normal(s.hidden, std=0.05, mean=1.0)
+            if i < s.dense_layers:
+                group |= QwenHybrid._mlp(draw, p + "mlp.", s.hidden, s.intermediate)
+            else:
+                group |= self._moe(s, draw, p + "block_sparse_moe.")
+            yield group
+        head = {"model.norm.weight": draw.normal(s.hidden, std=0.05, mean=1.0)}
+        if not s.tied_embeddings:
+            head["lm_head.weight"] = _only_tokens(draw.normal(s.vocab, s.hidden), n_tokens)
+        yield head
+
+    @staticmethod
+    def _kda(s: KimiShape, draw: Draw, p: str) -> Group:
+        E, H, D, C = s.hidden, s.heads, s.kda_head_dim, s.kda_dim
+        group = {p + f"{x}_proj.weight": draw.normal(C, E) for x in "qkv"}
+        group |= {p + f"{x}_conv1d.weight": draw.normal(C, 1, s.conv_kernel) for x in "qkv"}
+        return group | {
+            # per channel, as for the Qwen gates: softplus(dt_bias) log-uniform in [1e-3, 0.1], A in [1, 16]
+            p + "A_log": draw.uniform(H, 1.0, 16.0).log().reshape(1, 1, H, 1).to(torch.bfloat16),
+            p + "dt_bias": draw.uniform(C, math.log(1e-3), math.log(0.1)).exp().expm1().log().to(torch.bfloat16),
+            p + "f_a_proj.weight": draw.normal(D, E),
+            p + "f_b_proj.weight": draw.normal(C, D),
+            p + "b_proj.weight": draw.normal(H, E),
+            p + "g_a_proj.weight": draw.normal(D, E),
+            p + "g_b_proj.weight": draw.normal(C, D),
+            p + "o_norm.weight": draw.normal(D, std=0.05, mean=1.0),
+            p + "o_proj.weight": draw.normal(E, C),
+        }
+
+    @staticmethod
+    def _mla(s: KimiShape, draw: Draw, p: str) -> Group:
+        E, nh, R = s.hidden, s.heads, s.kv_lora_rank
+        return {
+            p + "q_proj.weight": draw.normal(nh * (s.qk_nope_head_dim + s.qk_rope_head_dim), E),
+            p + "kv_a_proj_with_mqa.weight": draw.normal(R + s.qk_rope_head_dim, E),
+            p + "kv_a_layernorm.weight": draw.normal(R, std=0.05, mean=1.0),
+            p + "kv_b_proj.weight": draw.normal(nh * (s.qk_nope_head_dim + s.v_head_dim), R),  # per head [k | v]
+            p + "o_proj.weight": draw.normal(E, nh * s.v_head_dim),
+        }
+
+    @staticmethod
+    def _moe(s: KimiShape, draw: Draw, p: str) -> Group:
+        E, F = s.hidden, s.expert_ffn
+        group = {p + "gate.weight": draw.normal(s.experts, E),
+                 # the load-balancing bias is of the size of the sigmoid scores, so it moves choices
+                 p + "gate.e_score_correction_bias": draw.normal(s.experts, std=0.05).float()}
+        for j in range(s.experts):
+            group |= {f"{p}experts.{j}.w1.weight": draw.normal(F, E), f"{p}experts.{j}.w3.weight": draw.normal(F, E),
+                      f"{p}experts.{j}.w2.weight": draw.normal(E, F)}
+        return group | QwenHybrid._mlp(draw, p + "shared_experts.", E, F * s.shared_experts)
+
+    def gguf_metadata(self, w: gguf.GGUFWriter, s: KimiShape) -> None:
+        w.add_block_count(s.layers)
+        w.add_context_length(s.max_positions)
+        w.add_embedding_length(s.hidden)
+        w.add_feed_forward_length(s.intermediate)
+        w.add_head_count(s.heads)
+        # 0 marks a KDA layer; the converter turns MLA into one kv head (MQA over the latent)
+        w.add_head_count_kv([1 if not s.is_recurrent(i) else 0 for i in range(s.layers)])
+        w.add_layer_norm_rms_eps(s.rms_eps)
+        w.add_expert_count(s.experts)
+        w.add_expert_used_count(s.experts_used)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_vocab_size(s.vocab)
+        w.add_ssm_conv_kernel(s.conv_kernel)
+        w.add_kda_head_dim(s.kda_head_dim)
+        w.add_kv_lora_rank(s.kv_lora_rank)
+        w.add_rope_dimension_count(s.qk_rope_head_dim)
+        w.add_key_length(s.kv_lora_rank + s.qk_rope_head_dim)
+        w.add_key_length_mla(s.qk_nope_head_dim + s.qk_rope_head_dim)
+        w.add_value_length_mla(s.v_head_dim)
+        w.add_expert_feed_forward_length(s.expert_ffn)
+        w.add_expert_shared_count(s.shared_experts)
+        w.add_leading_dense_block_count(s.dense_layers)
+        w.add_expert_weights_scale(s.routed_scaling_factor)
+
+    def to_gguf(self, s: KimiShape, group: Group) -> Iterator[tuple[str, torch.Tensor]]:
+        names = _tensor_names(self.gguf_arch, s.layers)
+        experts: dict[str, dict[int, torch.Tensor]] = {}
+        for name, t in group.items():
+            t = t.float()
+            if m := re.fullmatch(r"(.*)\.experts\.(\d+)\.(w\d)\.weight", name):
+                experts.setdefault(f"{m[1]}.experts.{m[3]}.weight", {})[int(m[2])] = t
+            elif name.endswith("_conv1d.weight"):  # [C, 1, W] -> ggml ne {W, 1, C, 1}
+                yield names(name), t.reshape(1, t.shape[0], 1, t.shape[-1])
+            elif name.endswith(".A_log"):
+                yield names(name), -torch.exp(t)
+            elif name.endswith(".dt_bias"):
+                yield names(name.removesuffix("dt_bias") + "dt_proj.bias"), t
+            elif name.endswith(".e_score_correction_bias"):
+                yield names(name.removesuffix("_bias") + ".bias"), t
+            elif name.endswith(".kv_b_proj.weight"):  # per head [k_nope | v] rows -> k_b^T {dn, R, nh}, v_b {R, dv, nh}
+                k_b, v_b = t.view(s.heads, s.qk_nope_head_dim + s.v_head_dim, -1).split(
+                    [s.qk_nope_head_dim, s.v_head_dim], dim=1)
+                yield names(name.replace("kv_b_proj", "k_b_proj")), k_b.transpose(1, 2).contiguous()
+                yield names(name.replace("kv_b_proj", "v_b_proj")), v_b.contiguous()
+            else:
+                yield names(name), t
+        for name, by_id in experts.items():
+            yield names(name), torch.stack([by_id[j] for j in range(len(by_id))])  # [X, rows, cols]
+
+
+# Test sizes: 4 layers (3 KDA, then MLA), a dense first layer; 3 heads, MLA latent 64 with nope 32 /
+# rope 32 / value 64, so every row splits into q8_0 blocks.
+_KIMI_TINY = KimiShape(hidden=96, layers=4, heads=3, kda_head_dim=32, kv_lora_rank=64, qk_nope_head_dim=32,
+                       qk_rope_head_dim=32, v_head_dim=64, intermediate=160, experts=8, experts_used=2, expert_ffn=64)
+# ~90M parameters for benchmarks: 8 layers (6 KDA, 2 MLA), Kimi-Linear-48B's head sizes (KDA 128; MLA
+# nope 128 / rope 64 / value 128 over a 512 latent), 16 experts of 256 with 4 used and one shared.
+_KIMI_SMALL = KimiShape(hidden=512, layers=8, heads=4, kda_head_dim=128, kv_lora_rank=512, qk_nope_head_dim=128,
+                        qk_rope_head_dim=64, v_head_dim=128, intermediate=1536, experts=16, experts_used=4,
+                        expert_ffn=256)
+
+
 # -- the architectures -----------------------------------------------------------------------------
 
 # Qwen3.5-0.8B's text model (Qwen/Qwen3.5-0.8B config.json): every 4th layer full attention.
@@ -448,6 +658,7 @@ ARCHES: dict[str, ArchMaker] = {
                             hf_extra={"decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
                             presets={"tiny": replace(_TINY_MOE, intermediate=160),
                                      "0.8b": replace(_MOE_08B, intermediate=3584, vocab=151936)}),
+    "kimi-linear": KimiLinear(presets={"tiny": _KIMI_TINY, "small": _KIMI_SMALL}),
 }
 
 
@@ -545,12 +756,54 @@ class _SafetensorsStream:
         self._part.unlink(missing_ok=True)
 
 
+def write_gguf(out_path: str | Path, arch: str, shape, tokenizer: Tokenizer, groups: Iterable[Group],
+               dtype: str = "f16", name: str | None = None) -> Path:
+    """Write Hugging Face tensors as the GGUF llama.cpp's converter makes of them: `groups` yields dicts of
+    Hugging Face name -> tensor (one layer at a time keeps memory low; one dict holding everything works
+    too), `shape` is the model's preset with `vocab` filled in, and the tokenizer is padded to that vocab.
+    The file appears complete or not at all (it is written beside `out_path`, then renamed)."""
+    if arch not in ARCHES:
+        raise DeltaserveError(f"unknown architecture '{arch}' (known: {', '.join(ARCHES)})")
+    if dtype not in DTYPES:
+        raise DeltaserveError(f"unknown dtype '{dtype}' (known: {', '.join(DTYPES)})")
+    if shape.vocab is None or shape.vocab < tokenizer.vocab_size:
+        raise DeltaserveError(f"{arch}: vocab {shape.vocab} cannot hold the tokenizer's {tokenizer.vocab_size} tokens")
+    maker, (want, file_type) = ARCHES[arch], DTYPES[dtype]
+    out_path = Path(out_path)
+    writer = gguf.GGUFWriter(None, maker.gguf_arch, use_temp_file=True)  # tensors spill to disk
+    writer.add_type(gguf.GGUFType.MODEL)
+    if name is not None:
+        writer.add_name(name)
+    maker.gguf_metadata(writer, shape)
+    writer.add_file_type(file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    tokenizer.write_gguf(writer, pad_to=shape.vocab)
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    part = out_path.with_name(out_path.name + ".part")
+    try:
+        for group in groups:
+            for tensor_name, t in maker.to_gguf(shape, group):
+                data, qtype = gguf_storage(tensor_name, t, want)
+                writer.add_tensor(tensor_name, data, raw_dtype=qtype)
+        writer.write_header_to_file(path=part)
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(part, out_path)
+    finally:
+        writer.close()
+        part.unlink(missing_ok=True)
+    return out_path
+
+
 def make_model(arch: str, preset: str, dtype: str, out_path: str | Path, seed: int = 0,
                hf_dir: str | Path | None = None,
                progress: Callable[[str], None] | None = None) -> MadeModel:
-    """Write a random-weight GGUF of `arch` ("qwen35", "qwen35moe", "qwen3next") at `preset`
-    ("tiny", "0.8b") and `dtype` ("f32", "f16", "q8_0") to `out_path`, and with `hf_dir` the same
-    weights as a Hugging Face directory (config.json, model.safetensors, tokenizer files).
+    """Write a random-weight GGUF of `arch` ("qwen35", "qwen35moe", "qwen3next", "kimi-linear") at `preset`
+    ("tiny", "0.8b" for Qwen; "tiny", "small" for Kimi) and `dtype` ("f32", "f16", "q8_0") to `out_path`,
+    and with `hf_dir` the same weights as a Hugging Face directory (config.json, model.safetensors, tokenizer
+    files).
     The same arguments and seed give the same weights whatever the dtype."""
     if arch not in ARCHES:
         raise DeltaserveError(f"unknown architecture '{arch}' (known: {', '.join(ARCHES)})")
@@ -559,8 +812,6 @@ def make_model(arch: str, preset: str, dtype: str, out_path: str | Path, seed: i
         raise DeltaserveError(f"unknown preset '{preset}' for {arch} (known: {', '.join(maker.presets)})")
     if dtype not in DTYPES:
         raise DeltaserveError(f"unknown dtype '{dtype}' (known: {', '.join(DTYPES)})")
-    want, file_type = DTYPES[dtype]
-    out_path = Path(out_path)
     hf_dir = Path(hf_dir) if hf_dir is not None else None
     report = progress or (lambda line: None)
 
@@ -572,42 +823,26 @@ def make_model(arch: str, preset: str, dtype: str, out_path: str | Path, seed: i
         raise DeltaserveError(f"{arch} {preset}: vocab {shape.vocab} is smaller than the tokenizer's "
                               f"{tokenizer.vocab_size} tokens")
 
-    writer = gguf.GGUFWriter(None, maker.gguf_arch, use_temp_file=True)  # tensors spill to disk
-    writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name(f"deltaserve random {arch} {preset}")
-    maker.gguf_metadata(writer, shape)
-    writer.add_file_type(file_type)
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    tokenizer.write_gguf(writer, pad_to=shape.vocab)
-
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    part = out_path.with_name(out_path.name + ".part")
     hf_stream = None
     if hf_dir is not None:
         hf_dir.mkdir(parents=True, exist_ok=True)
         hf_stream = _SafetensorsStream(hf_dir / "model.safetensors")
-    draw = Draw(seed)
-    start, groups = time.monotonic(), shape.layers + 2
-    try:
-        for done, group in enumerate(maker.hf_tensors(shape, draw, tokenizer.vocab_size), 1):
+    start, total = time.monotonic(), shape.layers + 2
+
+    def groups() -> Iterator[Group]:  # each group also goes to the Hugging Face copy
+        for done, group in enumerate(maker.hf_tensors(shape, Draw(seed), tokenizer.vocab_size), 1):
             if hf_stream is not None:
                 for name, t in group.items():
                     hf_stream.add(name, t)
-            for name, t in maker.to_gguf(shape, group):
-                data, qtype = gguf_storage(name, t, want)
-                writer.add_tensor(name, data, raw_dtype=qtype)
-            report(f"{arch} {preset} {dtype}: {done}/{groups} tensor groups, {time.monotonic() - start:.1f}s")
-        writer.write_header_to_file(path=part)
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(part, out_path)
+            yield group
+            report(f"{arch} {preset} {dtype}: {done}/{total} tensor groups, {time.monotonic() - start:.1f}s")
+
+    try:
+        write_gguf(out_path, arch, shape, tokenizer, groups(), dtype, name=f"deltaserve random {arch} {preset}")
         if hf_stream is not None:
             hf_stream.close()
             hf_stream = None
     finally:
-        writer.close()
-        part.unlink(missing_ok=True)
         if hf_stream is not None:
             hf_stream.abort()
 
@@ -625,7 +860,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                                                description="Write a random-weight model (GGUF, optionally HF).")
     parser.add_argument("--arch", required=True, choices=sorted(ARCHES), help="GGUF architecture")
     parser.add_argument("--preset", choices=PRESETS, default="tiny",
-                        help="tiny: test sizes; 0.8b: Qwen3.5-0.8B's shapes (default: tiny)")
+                        help="tiny: test sizes; 0.8b: Qwen3.5-0.8B's shapes (Qwen); small: ~90M parameters "
+                             "(kimi-linear) (default: tiny)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="f16", help="GGUF file type (default: f16)")
     parser.add_argument("out", type=Path, help="GGUF file to write")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")

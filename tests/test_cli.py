@@ -1,0 +1,50 @@
+"""The deltaserve command, run as a user runs it: a subprocess, its stdout and exit code."""
+
+import subprocess
+import sys
+
+import pytest
+
+from deltaserve.engine.llm import LLM
+
+
+def deltaserve(*args, stdin=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "deltaserve.cli", *map(str, args)], input=stdin, text=True,
+                          capture_output=True, timeout=timeout, env={"DELTASERVE_NO_PROGRESS": "1", "PATH": ""})
+
+
+def test_run_streams_the_same_text_as_the_api(tiny_gguf):
+    done = deltaserve("run", tiny_gguf, "-p", "Hello there", "-n", "12", "--temperature", "0")
+    assert done.returncode == 0, done.stderr
+    expected = LLM(tiny_gguf).generate("Hello there", max_tokens=12, temperature=0)
+    assert done.stdout == "Hello there" + expected.text + "\n"
+
+
+def test_chat_answers_each_line_until_an_empty_one(tiny_gguf):
+    done = deltaserve("chat", tiny_gguf, "-n", "6", "--temperature", "0", stdin="Hi!\nAnd again?\n\n")
+    assert done.returncode == 0, done.stderr
+    llm = LLM(tiny_gguf)
+    first = [{"role": "user", "content": "Hi!"}]
+    reply = llm.generate(llm.tokenizer.apply_chat_template(first), max_tokens=6, temperature=0).text
+    assert done.stdout.startswith(reply + "\n")
+    assert done.stdout.count("\n") == 2
+
+
+@pytest.mark.parametrize("command", ["run", "chat", "serve", "bench", "make-model"])
+def test_every_command_explains_itself(command):
+    done = deltaserve(command, "--help")
+    assert done.returncode == 0 and "usage: " in done.stdout and len(done.stdout.splitlines()) > 5
+
+
+def test_a_missing_model_is_one_clear_line(tmp_path):
+    done = deltaserve("run", tmp_path / "nope.gguf", "-p", "x")
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"deltaserve: error: {tmp_path / 'nope.gguf'}: file not found"
+
+
+def test_a_corrupt_model_is_one_clear_line(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 20)
+    done = deltaserve("run", bad, "-p", "x")
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1
+    assert done.stderr.startswith(f"deltaserve: error: {bad}")
