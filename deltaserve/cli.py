@@ -17,6 +17,11 @@ def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens (default 512)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="weight dtype for matmuls (default float32)")
+    p.add_argument("--cache-mb", type=float, default=1024,
+                   help="memory for prefix checkpoints of the recurrent state, in MB; 0 = off (default 1024)")
+    p.add_argument("--spec", default=None, metavar="ngram|MODEL.gguf",
+                   help="speculative decoding: 'ngram' (prompt lookup) or a smaller draft model (default off)")
+    p.add_argument("--spec-tokens", type=int, default=4, help="tokens drafted per speculative step (default 4)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser):
@@ -36,7 +41,8 @@ def _load(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return LLM(args.model, dtype=getattr(torch, args.dtype), max_len=args.ctx_size, prefill_chunk=args.chunk_size)
+    return LLM(args.model, dtype=getattr(torch, args.dtype), max_len=args.ctx_size, prefill_chunk=args.chunk_size,
+               cache_budget_mb=args.cache_mb, speculative=args.spec, spec_tokens=args.spec_tokens)
 
 
 def _sampling(args) -> dict:
@@ -93,7 +99,7 @@ def cmd_serve(args):
     model, tokenizer = load(args.model, dtype=getattr(torch, args.dtype))
     name = args.served_model_name or Path(args.model or DEFAULT_MODEL).stem
     engine = Engine(model, tokenizer, n_slots=args.slots, max_len=args.ctx_size, prefill_chunk=args.chunk_size,
-                    model_name=name)
+                    model_name=name, cache_budget_mb=args.cache_mb, speculative=args.spec, spec_tokens=args.spec_tokens)
     app = create_app(engine, api_key=args.api_key)
     print(f"deltaserve: serving {name} on http://{args.host}:{args.port} (chat page at /)", file=sys.stderr)
     try:

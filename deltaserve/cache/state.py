@@ -3,6 +3,11 @@
 Recurrent layers keep the last W-1 inputs of their short convolution and the delta-rule state;
 attention layers keep a fixed-length KV cache. `lengths` counts the tokens each slot has consumed,
 which is also the position of its next token.
+
+The KV cache can be cut to any prefix by lowering `lengths` (rows past it are never read, and are
+overwritten before they are read again); the recurrent state summarises the whole prefix and cannot
+be cut, so it is copied out (`save_recurrent`) and back in (`load_recurrent`), or taken from the
+per-token snapshots a forward pass kept (`rollback`).
 """
 
 from __future__ import annotations
@@ -16,12 +21,39 @@ from deltaserve.errors import DeltaserveError
 
 
 @dataclass
+class RecurrentCopy:
+    """The conv and delta-rule state of one slot, every recurrent layer, after its first `length` tokens."""
+
+    conv: list[torch.Tensor | None]  # per layer: [W-1, conv_dim] on recurrent layers, else None
+    ssm: list[torch.Tensor | None]  # per layer: [HV, K, V] float32
+    length: int
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.conv + self.ssm if t is not None)
+
+
+@dataclass
+class Snapshots:
+    """What one forward pass over T tokens kept for rollback: per row, the delta-rule state after each of
+    its last K tokens, newest first (entries older than the pass hold the state before it), and the
+    conv inputs from which the conv state after any of its tokens is read."""
+
+    slots: list[int]  # row n of every tensor is slot slots[n]
+    lengths: list[int]  # each slot's length right after the pass
+    tokens: int  # T, the tokens of the pass
+    depth: int  # K
+    conv: list[torch.Tensor | None]  # per layer: [N, W-1+T, conv_dim] = [conv state before | conv inputs]
+    ssm: list[torch.Tensor | None]  # per layer: [N, K, HV, K, V] float32 on recurrent layers
+
+
+@dataclass
 class HybridState:
     conv: list[torch.Tensor | None]  # per layer: [n_slots, W-1, conv_dim] on recurrent layers, else None
     ssm: list[torch.Tensor | None]  # per layer: [n_slots, HV, K, V] float32 on recurrent layers
     k: list[torch.Tensor | None]  # per layer: [n_slots, max_len, n_kv, head_dim] on attention layers
     v: list[torch.Tensor | None]  # per layer: [n_slots, max_len, n_kv, v_head_dim] on attention layers
     lengths: torch.Tensor  # [n_slots] int64
+    snapshots: Snapshots | None = None  # kept by the last forward pass that asked for them
 
     @classmethod
     def allocate(cls, recurrent: Sequence[bool], n_slots: int, max_len: int, *, conv: tuple[int, int],
@@ -70,3 +102,57 @@ class HybridState:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors() + [self.lengths])
+
+    # ------------------------------------------------------------------ one slot at a time
+    def truncate(self, slot: int, length: int) -> None:
+        """Cut the slot's KV cache to its first `length` tokens. The recurrent state is left as it is: the
+        caller sets it to match (load_recurrent, rollback) or the slot is reset."""
+        if not 0 <= length <= int(self.lengths[slot]):
+            raise DeltaserveError(f"truncate: slot {slot} holds {int(self.lengths[slot])} tokens, cannot cut to {length}")
+        self.lengths[slot] = length
+
+    def save_recurrent(self, slot: int) -> RecurrentCopy:
+        """A copy of the slot's conv and delta-rule states (every recurrent layer) and its length."""
+        return RecurrentCopy([None if t is None else t[slot].clone() for t in self.conv],
+                             [None if t is None else t[slot].clone() for t in self.ssm], int(self.lengths[slot]))
+
+    def load_recurrent(self, slot: int, saved: RecurrentCopy) -> None:
+        """Set the slot's recurrent states to `saved` and its length to saved.length. KV rows up to that
+        length must already hold the same tokens (copied in with write_kv, or never changed)."""
+        for mine, theirs in zip(self.conv + self.ssm, saved.conv + saved.ssm):
+            if mine is not None:
+                mine[slot].copy_(theirs)
+        self.lengths[slot] = saved.length
+
+    def read_kv(self, slot: int, start: int, end: int) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Copies of the slot's keys and values at positions [start, end), per attention layer [end-start, n_kv, d]."""
+        return ([None if t is None else t[slot, start:end].clone() for t in self.k],
+                [None if t is None else t[slot, start:end].clone() for t in self.v])
+
+    def write_kv(self, slot: int, start: int, k: list[torch.Tensor | None], v: list[torch.Tensor | None]) -> None:
+        """Put keys and values (as read_kv returns them) at positions start, start+1, ... of the slot."""
+        for cache, rows in zip(self.k + self.v, k + v):
+            if cache is not None:
+                cache[slot, start:start + rows.shape[0]].copy_(rows)
+
+    def rollback(self, slot: int, length: int) -> None:
+        """Put the slot back to just after its first `length` tokens, using the snapshots of the last forward
+        pass: no recompute. `length` may be any of the last K positions that pass went through."""
+        snaps = self.snapshots
+        if snaps is None or slot not in snaps.slots:
+            raise DeltaserveError(f"rollback: the last forward pass kept no snapshots for slot {slot}")
+        row = snaps.slots.index(slot)
+        end, now = snaps.lengths[row], int(self.lengths[slot])
+        oldest = end - min(snaps.depth - 1, snaps.tokens)
+        if now > end or not oldest <= length <= end:
+            raise DeltaserveError(f"rollback: slot {slot} can go back to lengths {oldest}..{end} (now at {now}), "
+                                  f"not {length}")
+        back = end - length  # snapshot index: 0 is the state after the pass's last token
+        T = snaps.tokens
+        for mine, tape in zip(self.conv, snaps.conv):  # after token t: the W-1 inputs ending at t
+            if mine is not None:
+                mine[slot].copy_(tape[row, T - back:T - back + mine.shape[1]])
+        for mine, kept in zip(self.ssm, snaps.ssm):
+            if mine is not None:
+                mine[slot].copy_(kept[row, back])
+        self.lengths[slot] = length

@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from deltaserve.cache.speculative import make_speculator
+
 from .request import Done, Event, Request
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -27,10 +29,14 @@ class Metrics:
 
 class Engine:
     def __init__(self, model, tokenizer, *, n_slots: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
-                 model_name: str = "deltaserve"):
+                 model_name: str = "deltaserve", checkpoint_interval: int = 256, cache_budget_mb: float = 1024.0,
+                 speculative: str | None = None, spec_tokens: int = 4):
+        """speculative: "ngram" or a draft model's path, used by every request; see LLM for the other options."""
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.runner = ModelRunner(model, n_slots=n_slots, max_len=max_len)
+        self.runner = ModelRunner(model, n_slots=n_slots, max_len=max_len, checkpoint_interval=checkpoint_interval,
+                                  cache_budget_mb=cache_budget_mb)
+        self.speculator = make_speculator(speculative, self.runner, spec_tokens) if speculative else None
         self.scheduler = _TimedScheduler(self.runner, prefill_chunk)
         self.metrics = self.scheduler.metrics
         self._inbox: list[Request] = []
@@ -79,7 +85,7 @@ class Engine:
                     break
                 inbox, self._inbox = self._inbox, []
             for req in inbox:
-                self.scheduler.add(req)
+                self.scheduler.add(req, self.speculator)
             try:
                 self.scheduler.step()
             except Exception as e:  # a bug must not hang every client: end the running requests with the error
@@ -100,11 +106,11 @@ class _TimedScheduler(Scheduler):
         self.metrics = Metrics()
 
     def _decode(self):
-        n = sum(1 for r in self.running if r.pending is not None and not r.cancelled)
+        before = sum(len(r.output_ids) for r in self.running)  # speculative steps may add several per request
         t = time.perf_counter()
         super()._decode()
         self.metrics.decode_seconds += time.perf_counter() - t
-        self.metrics.decode_tokens += n
+        self.metrics.decode_tokens += sum(len(r.output_ids) for r in self.running) - before
 
     def _prefill(self):
         before = sum(r.n_fed for r in self.running)

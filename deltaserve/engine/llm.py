@@ -4,15 +4,18 @@
     llm.generate("ROMEO:", max_tokens=40, temperature=0.8, seed=1).text
     for piece in llm.generate("ROMEO:", stream=True): print(piece, end="")
     llm.score(token_ids)               # float32 logits [T, vocab]
+    llm.generate(prompt, temperature=0, speculative="ngram")   # or a draft model's path
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
+from deltaserve.cache.speculative import Speculator, make_speculator
 from deltaserve.errors import DeltaserveError
 from deltaserve.loader import open_checkpoint
 from deltaserve.loader.gguf_file import progress_bar
@@ -35,38 +38,52 @@ class GenerationResult:
     prompt_tokens: int
 
 
-def load(model: str | Path | None = None, *, dtype: torch.dtype = torch.float32, device="cpu"):
+def load(model: str | Path | None = None, *, dtype: torch.dtype = torch.float32, device="cpu",
+         weight_dtype: torch.dtype | None = None):
     """(model, tokenizer) from a GGUF file or a Hugging Face directory; None = the embedded default model."""
     path = Path(model) if model is not None else DEFAULT_MODEL
     ckpt = open_checkpoint(path)
     tokenizer = (Tokenizer.from_gguf_metadata(ckpt.metadata) if hasattr(ckpt, "metadata")
                  else Tokenizer.from_hf_dir(path))
-    return load_model(ckpt, dtype=dtype, device=device), tokenizer
+    return load_model(ckpt, dtype=dtype, device=device, weight_dtype=weight_dtype), tokenizer
 
 
 class LLM:
     """Synchronous generation on one sequence slot; the server's Engine runs the same Scheduler in a thread."""
 
     def __init__(self, model: str | Path | None = None, *, dtype: torch.dtype = torch.float32, device="cpu",
-                 max_len: int = 4096, prefill_chunk: int = 512):
+                 weight_dtype: torch.dtype | None = None, max_len: int = 4096, prefill_chunk: int = 512, checkpoint_interval: int = 256,
+                 cache_budget_mb: float = 1024.0, speculative: str | None = None, spec_tokens: int = 4):
+        """checkpoint_interval / cache_budget_mb: prefix checkpoints every that many tokens, kept within that
+        many MB (0 turns them off). speculative: "ngram" or a draft model's path, for every generate call
+        that does not say otherwise; spec_tokens: the most tokens drafted per step."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        self.model, self.tokenizer = load(model, dtype=dtype, device=device)
-        self.runner = ModelRunner(self.model, n_slots=1, max_len=max_len)
+        self.model, self.tokenizer = load(model, dtype=dtype, device=device, weight_dtype=weight_dtype)
+        self.runner = ModelRunner(self.model, n_slots=1, max_len=max_len, checkpoint_interval=checkpoint_interval,
+                                  cache_budget_mb=cache_budget_mb)
         self.scheduler = Scheduler(self.runner, prefill_chunk)
         self.prefill_chunk = prefill_chunk
+        self.spec_tokens, self.dtype = spec_tokens, dtype
+        self.speculators: dict[str, Speculator] = {}  # by spec string: a draft model loads once
+        self.speculative = speculative
+        if speculative:
+            self._speculator(speculative)
 
     def generate(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop: list[str] | str = (),
-                 ignore_eos: bool = False, stream: bool = False):
+                 ignore_eos: bool = False, stream: bool = False, speculative: str | Literal[False] | None = None):
         """Continue `prompt` (text or token ids). Returns a GenerationResult, or with stream=True an iterator
-        of text pieces as they are decided (text that may still turn into a stop string is held back)."""
+        of text pieces as they are decided (text that may still turn into a stop string is held back).
+        speculative: "ngram", a draft model's path, False (off) or None (the LLM's default). Greedy output
+        is the same with or without it."""
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 min_p=min_p, seed=seed, stop=[stop] if isinstance(stop, str) else list(stop),
                                 ignore_eos=ignore_eos)
+        spec = self.speculative if speculative is None else speculative
         events: list[Event] = []
         req = Request(self._encode(prompt), params, self.tokenizer, on_event=events.append)
-        steps = self._run(req, events)
+        steps = self._run(req, events, self._speculator(spec) if spec else None)
         if stream:
             return (e.text for e in steps if isinstance(e, Delta))
         done = [e for e in steps if isinstance(e, Done)][-1]
@@ -81,8 +98,13 @@ class LLM:
         chunks = [ids[i:i + self.prefill_chunk] for i in range(0, len(ids), self.prefill_chunk)]
         return torch.cat([self.runner.forward([0], [c], logits="all")[0] for c in chunks])
 
-    def _run(self, req: Request, events: list[Event]):
-        self.scheduler.add(req)
+    def _speculator(self, spec: str) -> Speculator:
+        if spec not in self.speculators:
+            self.speculators[spec] = make_speculator(spec, self.runner, self.spec_tokens, self.dtype)
+        return self.speculators[spec]
+
+    def _run(self, req: Request, events: list[Event], speculator: Speculator | None = None):
+        self.scheduler.add(req, speculator)
         # a prompt of several chunks shows a prefill bar (on a terminal)
         bar = progress_bar(len(req.prompt_ids), "prefill", unit="tok") if len(req.prompt_ids) > 2 * self.prefill_chunk \
             else None

@@ -1,61 +1,90 @@
-"""ModelRunner: owns the model, its per-slot state, and which tokens each slot's state holds."""
+"""ModelRunner: feeds token chunks to the model over the cache manager's slots.
+
+Forward passes stop at checkpoint positions (every `checkpoint_interval` tokens of a slot) so the
+manager can save the recurrent state there; `verify` runs draft tokens in one pass that keeps a
+snapshot after each of them, and `rollback` keeps the accepted ones.
+"""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
+
+from deltaserve.cache.manager import CacheManager
+from deltaserve.cache.state import HybridState
 
 
 class ModelRunner:
-    def __init__(self, model, n_slots: int = 1, max_len: int = 4096):
+    def __init__(self, model, n_slots: int = 1, max_len: int = 4096, checkpoint_interval: int = 256,
+                 cache_budget_mb: float = 1024.0):
         self.model = model
-        self.state = model.new_state(n_slots, max_len)
-        self.max_len = self.state.max_len or max_len
-        self.history: list[list[int]] = [[] for _ in range(n_slots)]  # tokens whose effect each slot holds
-        self.busy = [False] * n_slots
-        self._last_used = [0] * n_slots
-        self._clock = 0
+        self.cache = CacheManager(model, n_slots, max_len, checkpoint_interval, cache_budget_mb)
+
+    @property
+    def state(self) -> HybridState:
+        return self.cache.state
+
+    @property
+    def history(self) -> list[list[int]]:
+        return self.cache.history
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len
 
     @property
     def n_slots(self) -> int:
-        return len(self.busy)
+        return self.cache.n_slots
+
+    @property
+    def can_rollback(self) -> bool:
+        """Whether the model keeps per-token snapshots (forward(..., snapshots=K)), which `verify` needs."""
+        return "snapshots" in inspect.signature(self.model.forward).parameters
 
     def free_slots(self) -> int:
-        return self.busy.count(False)
+        return self.cache.free_slots()
 
     def acquire(self, prompt: list[int]) -> tuple[int, int]:
-        """A free slot for `prompt` and how many of its tokens that slot already holds. A slot whose history
-        the prompt extends continues from its live state; otherwise the least recently used one starts over."""
-        free = [s for s in range(self.n_slots) if not self.busy[s]]
-
-        def reusable(s):
-            h = self.history[s]
-            return len(h) if len(h) < len(prompt) and prompt[:len(h)] == h else -1
-
-        slot = max(free, key=lambda s: (reusable(s), -self._last_used[s]))
-        if reusable(slot) <= 0:
-            slot = min(free, key=lambda s: self._last_used[s])
-            self.reset(slot)
-        self.busy[slot] = True
-        return slot, len(self.history[slot])
+        """A free slot for `prompt` and how many of its tokens that slot already holds (from its live state
+        or a checkpoint of the prefix store)."""
+        return self.cache.acquire(prompt)
 
     def release(self, slot: int) -> None:
-        """The slot is free again; its state stays, so a prompt that extends it can continue from it."""
-        self.busy[slot] = False
-        self._clock += 1
-        self._last_used[slot] = self._clock
+        self.cache.release(slot)
 
     def reset(self, slot: int) -> None:
-        self.state.reset([slot])
-        self.history[slot] = []
+        self.cache.reset(slot)
 
     def room(self, slot: int) -> int:
         """Tokens the slot can still take."""
-        return self.max_len - len(self.history[slot])
+        return self.cache.room(slot)
 
     def forward(self, slots: list[int], tokens: list[list[int]], logits: str = "last") -> torch.Tensor:
-        """Feed tokens[i] (all rows the same length) to slots[i]; float32 logits [N, V] (or [N, T, V])."""
-        x = torch.tensor(tokens, dtype=torch.long)
-        out = self.model(x, self.state, torch.tensor(slots, dtype=torch.long), logits=logits)
-        for s, t in zip(slots, tokens):
-            self.history[s].extend(t)
+        """Feed tokens[i] (all rows the same length) to slots[i]; float32 logits [N, V] (or [N, T, V]).
+        The pass is cut wherever a row reaches a checkpoint position, and the checkpoint saved."""
+        T = len(tokens[0])
+        cuts = sorted({c for s in slots for c in self.cache.boundaries(s, T)} | {T})
+        outs, begin = [], 0
+        self.state.snapshots = None  # these passes change the slots: older snapshots no longer apply
+        for end in cuts:
+            piece = [t[begin:end] for t in tokens]
+            outs.append(self.model(torch.tensor(piece, dtype=torch.long), self.state,
+                                   torch.tensor(slots, dtype=torch.long), logits=logits))
+            self.cache.advance(slots, piece)
+            begin = end
+        return outs[-1] if logits == "last" else torch.cat(outs, dim=1)
+
+    def verify(self, slots: list[int], tokens: list[list[int]]) -> torch.Tensor:
+        """Feed tokens[i] (all rows the same length T) to slots[i] in one pass that keeps the state after each
+        token; float32 logits [N, T, V]. Follow with `rollback` for every row."""
+        T = len(tokens[0])
+        out = self.model(torch.tensor(tokens, dtype=torch.long), self.state, torch.tensor(slots, dtype=torch.long),
+                         logits="all", snapshots=T)
+        self.cache.advance(slots, tokens, checkpoint=False)
         return out
+
+    def rollback(self, slot: int, length: int) -> None:
+        """After `verify`: keep the slot's first `length` tokens (at least those before the verified ones
+        and the first of them), without recompute."""
+        self.cache.rollback(slot, length)

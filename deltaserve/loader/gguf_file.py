@@ -238,7 +238,17 @@ class GGUFCheckpoint:
             out = quants.dequantize(raw, qtype, found)
         except ValueError as e:
             raise ModelLoadError(self.path, str(e), tensor=name) from None
+        self._release(self.info(name))
         return out.to(dtype)
+
+    def _release(self, info: TensorInfo) -> None:
+        """The tensor's bytes were copied out: drop their pages from this process (the file stays cached by
+        the OS), so loading never holds the file and the weights at once."""
+        if hasattr(self._buf, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            first = -(-info.offset // mmap.PAGESIZE) * mmap.PAGESIZE
+            last = (info.offset + info.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+            if last > first:
+                self._buf.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def progress(self, names: Iterable[str], desc: str = "loading weights") -> Iterator[str]:
         """Yield `names` while a progress bar (on a terminal) counts their stored bytes."""

@@ -15,15 +15,29 @@ ARCHITECTURES = {
 }
 
 
-def load_model(ckpt, dtype=None, device="cpu"):
-    """The model of an opened checkpoint (deltaserve.loader.open_checkpoint), weights on `device`."""
+def load_model(ckpt, dtype=None, device="cpu", weight_dtype=None):
+    """The model of an opened checkpoint (deltaserve.loader.open_checkpoint), weights on `device`.
+
+    dtype: the activations' dtype (default float32). weight_dtype: how matmul weights are stored; by default
+    float16 when the file stores them so (lossless, half the memory and bandwidth), else `dtype`."""
     import torch
 
     arch = ckpt.arch if hasattr(ckpt, "metadata") else ckpt.config.get("model_type")
     if arch not in ARCHITECTURES:
         raise ModelLoadError(ckpt.path, f"unknown architecture '{arch}' (deltaserve runs: "
                                         f"{', '.join(sorted(ARCHITECTURES))})")
-    return ARCHITECTURES[arch].from_checkpoint(ckpt, dtype=dtype or torch.float32, device=device)
+    dtype = dtype or torch.float32
+    if weight_dtype is None:
+        weight_dtype = torch.float16 if dtype == torch.float32 and _stores_f16(ckpt) else dtype
+    return ARCHITECTURES[arch].from_checkpoint(ckpt, dtype=dtype, device=device, weight_dtype=weight_dtype)
+
+
+def _stores_f16(ckpt) -> bool:
+    """Whether the file keeps its embedding (the largest matmul weight) in float16."""
+    import gguf
+
+    return hasattr(ckpt, "metadata") and ckpt.has("token_embd.weight") and \
+        ckpt.qtype("token_embd.weight") == gguf.GGMLQuantizationType.F16
 
 
 __all__ = ["ARCHITECTURES", "KimiConfig", "KimiModel", "QwenConfig", "QwenModel", "load_model"]

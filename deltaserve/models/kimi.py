@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltaserve.cache.state import HybridState
+from deltaserve.cache.state import HybridState, Snapshots
 from deltaserve.errors import ModelLoadError
 from deltaserve.models.config import KimiConfig
-from deltaserve.models.layers import MLP, RMSNorm, SigmoidMoE, cached_attention
-from deltaserve.models.qwen import QwenModel, _fetch
+from deltaserve.models.layers import MLP, Linear, RMSNorm, SigmoidMoE, cached_attention, linear
+from deltaserve.models.qwen import QwenModel, _fetch, conv_tape
 from deltaserve.ops import causal_conv1d, gated_delta_rule
 
 
@@ -33,14 +33,14 @@ class KimiDeltaAttention(nn.Module):
         self.H, self.D = H, D = cfg.kda_heads, cfg.kda_head_dim
         self.lower_bound = cfg.gate_lower_bound
         # rows: q (H*D) | k (H*D) | v (H*D) | f_a (D) | g_a (D) | b (H)
-        self.in_proj = nn.Linear(cfg.hidden_size, 3 * H * D + 2 * D + H, bias=False)
+        self.in_proj = Linear(cfg.hidden_size, 3 * H * D + 2 * D + H, bias=False)
         self.conv_weight = nn.Parameter(torch.empty(3 * H * D, cfg.conv_kernel))
-        self.f_b = nn.Linear(D, H * D, bias=False)
-        self.g_b = nn.Linear(D, H * D, bias=False)
+        self.f_b = Linear(D, H * D, bias=False)
+        self.g_b = Linear(D, H * D, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(H * D))
         self.A = nn.Parameter(torch.empty(H))  # -exp(A_log), as GGUF stores it
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(H * D, cfg.hidden_size, bias=False)
+        self.out_proj = Linear(H * D, cfg.hidden_size, bias=False)
 
     def decay(self, f: torch.Tensor) -> torch.Tensor:
         """f [..., H*D] (f_b's output) -> float32 log-decay [..., H, D], always <= 0."""
@@ -51,21 +51,24 @@ class KimiDeltaAttention(nn.Module):
         return self.lower_bound * torch.sigmoid(-A * x)  # bounded below by lower_bound
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-                slots: torch.Tensor | None = None) -> torch.Tensor:
+                slots: torch.Tensor | None = None, snapshots: int = 0):
         """x [N, T, E]; sequence n continues cache row slots[n] of conv_state [S, W-1, 3*H*D] and
-        ssm_state [S, H, D, D], both updated in place."""
+        ssm_state [S, H, D, D], both updated in place. snapshots=K > 0: returns (y, conv_tape(...)
+        [N, W-1+T, 3*H*D], ssm [N, K, H, D, D] the states after each of the last K tokens, newest first)."""
         N, T, _ = x.shape
         H, D = self.H, self.D
         qkv, f, gate, b = self.in_proj(x).split([3 * H * D, D, D, H], dim=-1)
+        tape = conv_tape(conv_state, slots, qkv) if snapshots else None
         qkv, _ = causal_conv1d(qkv, self.conv_weight, conv_state=conv_state, state_indices=slots, inplace=True,
                                activation="silu")
         q, k, v = (t.view(N, T, H, D) for t in qkv.split(H * D, dim=-1))
         beta = torch.sigmoid(b.float())  # [N, T, H]
         g = self.decay(self.f_b(f))  # [N, T, H, D]
-        o, _ = gated_delta_rule(q, k, v, g, beta, initial_state=ssm_state, state_indices=slots, inplace=True,
-                                use_qk_l2norm=True)
+        o, _, *ssm_snaps = gated_delta_rule(q, k, v, g, beta, initial_state=ssm_state, state_indices=slots,
+                                            inplace=True, snapshots=snapshots, use_qk_l2norm=True)
         o = self.norm(o) * torch.sigmoid(self.g_b(gate).view(N, T, H, D).float()).to(o.dtype)
-        return self.out_proj(o.reshape(N, T, H * D))
+        y = self.out_proj(o.reshape(N, T, H * D))
+        return (y, tape, ssm_snaps[0]) if snapshots else y
 
 
 class LatentAttention(nn.Module):
@@ -83,16 +86,16 @@ class LatentAttention(nn.Module):
         q_dim = nh * (self.dn + self.dr)
         self.q_low_rank = bool(cfg.q_lora_rank)
         if self.q_low_rank:
-            self.q_a = nn.Linear(E, cfg.q_lora_rank, bias=False)
+            self.q_a = Linear(E, cfg.q_lora_rank, bias=False)
             self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.mla_norm_eps)
-            self.q_b = nn.Linear(cfg.q_lora_rank, q_dim, bias=False)
+            self.q_b = Linear(cfg.q_lora_rank, q_dim, bias=False)
         else:
-            self.q_proj = nn.Linear(E, q_dim, bias=False)
-        self.kv_a = nn.Linear(E, self.R + self.dr, bias=False)  # rows: latent (R) | shared key (dr)
+            self.q_proj = Linear(E, q_dim, bias=False)
+        self.kv_a = Linear(E, self.R + self.dr, bias=False)  # rows: latent (R) | shared key (dr)
         self.kv_a_norm = RMSNorm(self.R, cfg.mla_norm_eps)
         self.k_b = nn.Parameter(torch.empty(nh, self.dn, self.R))
         self.v_b = nn.Parameter(torch.empty(nh, cfg.v_head_dim, self.R))
-        self.o_proj = nn.Linear(nh * cfg.v_head_dim, E, bias=False)
+        self.o_proj = Linear(nh * cfg.v_head_dim, E, bias=False)
         self.scale = (self.dn + self.dr) ** -0.5  # of the expanded heads, which the absorption leaves unchanged
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
@@ -102,10 +105,11 @@ class LatentAttention(nn.Module):
         q_nope, q_pe = q.view(N, T, self.nh, self.dn + self.dr).split([self.dn, self.dr], dim=-1)
         latent, k_pe = self.kv_a(x).split([self.R, self.dr], dim=-1)
         kv = torch.cat([self.kv_a_norm(latent), k_pe], dim=-1)[:, :, None]  # [N, T, 1, R + dr]
-        q = torch.cat([torch.einsum("nthd,hdr->nthr", q_nope, self.k_b), q_pe], dim=-1)  # [N, T, nh, R + dr]
+        k_b = self.k_b.to(q_nope.dtype)  # weights may be stored narrower than the activations
+        q = torch.cat([torch.einsum("nthd,hdr->nthr", q_nope, k_b), q_pe], dim=-1)  # [N, T, nh, R + dr]
         # values are the first R channels of each cached row: a view, so the cache holds c only once
         o = cached_attention(q, kv, kv[..., :self.R], cache, cache[..., :self.R], slots, start, self.scale)
-        o = torch.einsum("nthr,hvr->nthv", o, self.v_b)  # [N, T, nh, dv]
+        o = torch.einsum("nthr,hvr->nthv", o, self.v_b.to(o.dtype))  # [N, T, nh, dv]
         return self.o_proj(o.reshape(N, T, -1))
 
 
@@ -128,16 +132,19 @@ class KimiModel(nn.Module):
     def __init__(self, config: KimiConfig):
         super().__init__()
         self.config = config
+        self.compute_dtype = torch.float32  # activations, caches; weights may be stored narrower
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size,
                                                                         bias=False)
 
     @classmethod
-    def from_checkpoint(cls, ckpt, dtype: torch.dtype = torch.float32, device="cpu") -> KimiModel:
+    def from_checkpoint(cls, ckpt, dtype: torch.dtype = torch.float32, device="cpu",
+                        weight_dtype: torch.dtype | None = None) -> KimiModel:
         """Build from an opened checkpoint: a GGUF file (has `.metadata`) or a transformers directory
-        (has `.config`). Norms, A, dt_bias and the routers stay float32; every other weight takes `dtype`."""
+        (has `.config`). Norms, A, dt_bias and the routers stay float32; every other weight is stored in
+        `weight_dtype` (default: `dtype`, the dtype the activations are computed in)."""
         if getattr(ckpt, "metadata", None) is not None:
             vocab = ckpt.shape("token_embd.weight")[0] if ckpt.has("token_embd.weight") else None
             config = KimiConfig.from_gguf(ckpt.metadata, str(ckpt.path), vocab_size=vocab,
@@ -148,14 +155,16 @@ class KimiModel(nn.Module):
             weights = _weights_from_hf(ckpt, config)
         with torch.device("meta"):
             model = cls(config)
+        stored = weight_dtype or dtype
         keep_fp32 = {name for name, _ in model.named_parameters()
                      if name.endswith(("norm.weight", ".A", ".dt_bias", "router.weight", "expert_bias"))}
-        params = {name: t.to(device=device, dtype=torch.float32 if name in keep_fp32 else dtype)
+        params = {name: t.to(device=device, dtype=torch.float32 if name in keep_fp32 else stored)
                   for name, t in weights}
         missing = sorted(set(dict(model.named_parameters())) - set(params))
         if missing:  # a bug in the weight functions, not in the file
             raise ModelLoadError(ckpt.path, f"internal weights not produced: {missing[:5]}")
         model.load_state_dict(params, assign=True)
+        model.compute_dtype = dtype
         return model.requires_grad_(False).eval()
 
     def new_state(self, n_slots: int, max_len: int) -> HybridState:
@@ -165,33 +174,44 @@ class KimiModel(nn.Module):
         return HybridState.allocate(
             [t == "linear_attention" for t in cfg.layer_types], n_slots, max_len,
             conv=(cfg.conv_kernel - 1, 3 * cfg.kda_dim), ssm=(cfg.kda_heads, cfg.kda_head_dim, cfg.kda_head_dim),
-            k=(1, cfg.kv_lora_rank + cfg.qk_rope_head_dim), v=(1, 0), dtype=p.dtype, device=p.device)
+            k=(1, cfg.kv_lora_rank + cfg.qk_rope_head_dim), v=(1, 0), dtype=self.compute_dtype,
+            device=p.device)
 
     _check = QwenModel._check  # the same argument checks: dtypes, distinct slots, token ids, room left
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, state: HybridState, slots, logits: str = "last") -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, state: HybridState, slots, logits: str = "last",
+                snapshots: int = 0) -> torch.Tensor:
         """Continue N sequences by T tokens each. input_ids [N, T]; slots [N] rows of `state`.
 
         Writes the new recurrent state and latent cache entries in place and advances state.lengths[slots]
         by T. Returns float32 logits [N, vocab] for the last token ("last") or [N, T, vocab] ("all").
+        snapshots=K > 0 also keeps in state.snapshots the recurrent states after each of the last K
+        tokens, so that state.rollback can return any slot to one of those positions.
         """
         input_ids, slots = self._check(input_ids, state, slots, logits)
         T = input_ids.shape[1]
         start = state.lengths[slots]  # [N] tokens already in each slot
-        h = self.embed(input_ids)
+        snaps = Snapshots(slots.tolist(), (start + T).tolist(), T, snapshots, [None] * len(self.layers),
+                          [None] * len(self.layers)) if snapshots else None
+        h = self.embed(input_ids).to(self.compute_dtype)
         for i, layer in enumerate(self.layers):
             x = layer.input_norm(h)
-            if layer.recurrent:  # the ops read and write the cache rows of `slots` in place
+            if layer.recurrent and snaps is not None:
+                x, snaps.conv[i], snaps.ssm[i] = layer.mixer(x, state.conv[i], state.ssm[i], slots,
+                                                             snapshots=snapshots)
+            elif layer.recurrent:  # the ops read and write the cache rows of `slots` in place
                 x = layer.mixer(x, state.conv[i], state.ssm[i], slots)
             else:
                 x = layer.mixer(x, state.k[i], slots, start)
             h = h + x
             h = h + layer.ffn(layer.post_norm(h))
         state.lengths[slots] = start + T
+        if snaps is not None:
+            state.snapshots = snaps
         h = self.norm(h[:, -1] if logits == "last" else h)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, head).float()
+        return linear(h, head).float()
 
 
 # ---------------------------------------------------------------------------- checkpoint formats

@@ -12,6 +12,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltaserve.ops import fused
+
+# Up to this many rows a float16 weight goes through the fused kernel (decode: the weight streams from
+# memory once and is widened in registers); above it a float32 GEMM on the widened weight is faster.
+_GEMV_ROWS = 16
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) in x's dtype, whatever dtype the weight is stored in. Float16 weights keep half
+    the memory and bandwidth of float32 ones while the activations, and so the result, stay float32."""
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    if (weight.dtype == torch.float16 and x.dtype == torch.float32 and rows.shape[0] <= _GEMV_ROWS
+            and x.device.type == "cpu" and fused.available()):
+        y = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
+        fused.extension().linear_f16(rows.contiguous(), weight.contiguous(), y)
+        y = y.view(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias.to(y.dtype)
+    return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight may be stored in another dtype than the activations (see linear())."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight over the last dim, computed in float32 (weight is the final multiplier)."""
@@ -95,10 +123,10 @@ class GatedAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         # rows: query (nh*hd) | gate (nh*hd) | key (nkv*hd) | value (nkv*hd)
-        self.qkv_proj = nn.Linear(hidden, (2 * num_heads + 2 * num_kv_heads) * head_dim, bias=False)
+        self.qkv_proj = Linear(hidden, (2 * num_heads + 2 * num_kv_heads) * head_dim, bias=False)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
+        self.o_proj = Linear(num_heads * head_dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor | None = None,
                 v_cache: torch.Tensor | None = None, slots: torch.Tensor | None = None,
@@ -122,8 +150,8 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up = Linear(hidden, 2 * intermediate, bias=False)
+        self.down = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -161,8 +189,8 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             rows = tokens[begin:begin + count]
-            gate, up = F.linear(x[rows], self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[e])
+            gate, up = linear(x[rows], self.gate_up[e]).chunk(2, dim=-1)
+            y = linear(F.silu(gate) * up, self.down[e])
             out.index_add_(0, rows, y.float() * weights.flatten()[order[begin:begin + count], None])
             begin += count
         return out.to(x.dtype)
@@ -175,10 +203,10 @@ class SparseMoE(nn.Module):
                  shared_intermediate: int, normalize: bool):
         super().__init__()
         self.top_k, self.normalize = top_k, normalize
-        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.router = Linear(hidden, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden, intermediate)
         self.shared = MLP(hidden, shared_intermediate) if shared_intermediate else None
-        self.shared_gate = nn.Linear(hidden, 1, bias=False) if shared_intermediate else None
+        self.shared_gate = Linear(hidden, 1, bias=False) if shared_intermediate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [M, hidden]
@@ -218,7 +246,7 @@ class SigmoidMoE(nn.Module):
         super().__init__()
         self.top_k, self.normalize, self.scale = top_k, normalize, scale
         self.n_group, self.topk_group = n_group, topk_group
-        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.router = Linear(hidden, num_experts, bias=False)
         self.expert_bias = nn.Parameter(torch.zeros(num_experts))
         self.experts = Experts(num_experts, hidden, intermediate)
         self.shared = MLP(hidden, shared_intermediate) if shared_intermediate else None

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltaserve.cache.state import HybridState
+from deltaserve.cache.state import HybridState, Snapshots
 from deltaserve.errors import DeltaserveError, ModelLoadError
 from deltaserve.loader.gguf_file import progress_bar
 from deltaserve.models.config import QwenConfig
-from deltaserve.models.layers import MLP, GatedAttention, RMSNorm, RotaryEmbedding, SparseMoE
+from deltaserve.models.layers import MLP, GatedAttention, Linear, RMSNorm, RotaryEmbedding, SparseMoE, linear
 from deltaserve.ops import causal_conv1d, gated_delta_rule
 
 
@@ -35,31 +35,43 @@ class GatedDeltaNet(nn.Module):
         self.H, self.HV, self.K, self.V = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
         self.conv_dim = cfg.conv_dim
         # rows: q (H*K) | k (H*K) | v (HV*V) | z (HV*V) | b (HV) | a (HV), value heads in grouped order
-        self.in_proj = nn.Linear(cfg.hidden_size, self.conv_dim + self.HV * self.V + 2 * self.HV, bias=False)
+        self.in_proj = Linear(cfg.hidden_size, self.conv_dim + self.HV * self.V + 2 * self.HV, bias=False)
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, cfg.conv_kernel))
         self.dt_bias = nn.Parameter(torch.empty(self.HV))
         self.A = nn.Parameter(torch.empty(self.HV))
         self.norm = RMSNorm(self.V, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.HV * self.V, cfg.hidden_size, bias=False)
+        self.out_proj = Linear(self.HV * self.V, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None,
-                slots: torch.Tensor | None = None) -> torch.Tensor:
+                slots: torch.Tensor | None = None, snapshots: int = 0):
         """x [N, T, E]; sequence n continues cache row slots[n] (row n when None) of conv_state [S, W-1, conv_dim]
         and ssm_state [S, HV, K, V], both updated in place. Without states each row starts from zero and
-        nothing is kept (training: the ops then take their differentiable path)."""
+        nothing is kept (training: the ops then take their differentiable path).
+        snapshots=K > 0: returns (y, conv_tape(...) [N, W-1+T, conv_dim], ssm [N, K, HV, K, V] the states after
+        each of the last K tokens, newest first) instead of y alone."""
         N, T, _ = x.shape
         H, HV, K, V = self.H, self.HV, self.K, self.V
         cached = conv_state is not None
         qkv, z, b, a = self.in_proj(x).split([self.conv_dim, HV * V, HV, HV], dim=-1)
+        tape = conv_tape(conv_state, slots, qkv) if snapshots else None
+        needs_grad = torch.is_grad_enabled() and (qkv.requires_grad or self.conv_weight.requires_grad)
         qkv, _ = causal_conv1d(qkv, self.conv_weight, conv_state=conv_state, state_indices=slots, inplace=cached,
-                               activation="silu")
+                               activation="silu", backend="torch" if needs_grad else "auto")  # fused: no backward
         q, k, v = qkv.split([H * K, H * K, HV * V], dim=-1)
         beta = torch.sigmoid(b.float())  # [N, T, HV]
         g = self.A * F.softplus(a.float() + self.dt_bias)  # [N, T, HV] log-decay <= 0
-        o, _ = gated_delta_rule(q.view(N, T, H, K), k.view(N, T, H, K), v.view(N, T, HV, V), g, beta,
-                                initial_state=ssm_state, state_indices=slots, inplace=cached, use_qk_l2norm=True)
+        o, _, *ssm_snaps = gated_delta_rule(q.view(N, T, H, K), k.view(N, T, H, K), v.view(N, T, HV, V), g, beta,
+                                            initial_state=ssm_state, state_indices=slots, inplace=cached,
+                                            snapshots=snapshots, use_qk_l2norm=True)
         o = self.norm(o) * F.silu(z.view(N, T, HV, V).float()).to(o.dtype)  # [N, T, HV, V]
-        return self.out_proj(o.reshape(N, T, HV * V))
+        y = self.out_proj(o.reshape(N, T, HV * V))
+        return (y, tape, ssm_snaps[0]) if snapshots else y
+
+
+def conv_tape(conv_state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """[conv state before x | x], [N, W-1+T, C]: the conv state after token t of x is rows t+1 .. t+W-1
+    (HybridState.rollback reads them), so snapshots of the short conv cost one concatenation."""
+    return torch.cat([conv_state[slots].to(x.dtype), x], dim=1)
 
 
 class DecoderLayer(nn.Module):
@@ -84,17 +96,20 @@ class QwenModel(nn.Module):
     def __init__(self, config: QwenConfig):
         super().__init__()
         self.config = config
+        self.compute_dtype = torch.float32  # activations, caches; weights may be stored narrower
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size,
                                                                         bias=False)
         self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
 
     @classmethod
-    def from_checkpoint(cls, ckpt, dtype: torch.dtype = torch.float32, device="cpu") -> QwenModel:
+    def from_checkpoint(cls, ckpt, dtype: torch.dtype = torch.float32, device="cpu",
+                        weight_dtype: torch.dtype | None = None) -> QwenModel:
         """Build from an opened checkpoint: a GGUF file (has `.metadata`) or a transformers directory
-        (has `.config`). Norms, A and dt_bias stay float32; every other weight takes `dtype`."""
+        (has `.config`). Norms, A and dt_bias stay float32; every other weight is stored in
+        `weight_dtype` (default: `dtype`, the dtype the activations are computed in)."""
         if getattr(ckpt, "metadata", None) is not None:
             vocab = ckpt.shape("token_embd.weight")[0] if ckpt.has("token_embd.weight") else None
             config = QwenConfig.from_gguf(ckpt.metadata, str(ckpt.path), vocab_size=vocab,
@@ -105,18 +120,20 @@ class QwenModel(nn.Module):
             weights = _weights_from_hf(ckpt, config)
         with torch.device("meta"):
             model = cls(config)
+        stored = weight_dtype or dtype
         keep_fp32 = {name for name, _ in model.named_parameters()
                      if name.endswith(("norm.weight", ".A", ".dt_bias"))}
         params = {}
-        total = sum(p.numel() * (4 if n in keep_fp32 else dtype.itemsize) for n, p in model.named_parameters())
+        total = sum(p.numel() * (4 if n in keep_fp32 else stored.itemsize) for n, p in model.named_parameters())
         with progress_bar(total, f"loading {Path(ckpt.path).name}") as bar:
             for name, t in weights:  # one tensor at a time: the file's copy is never held whole
-                params[name] = t.to(device=device, dtype=torch.float32 if name in keep_fp32 else dtype)
+                params[name] = t.to(device=device, dtype=torch.float32 if name in keep_fp32 else stored)
                 bar.update(params[name].nbytes)
         missing = sorted(set(dict(model.named_parameters())) - set(params))
         if missing:  # a bug in the weight functions, not in the file
             raise ModelLoadError(ckpt.path, f"internal weights not produced: {missing[:5]}")
         model.load_state_dict(params, assign=True)
+        model.compute_dtype = dtype
         return model.requires_grad_(False).eval()
 
     def new_state(self, n_slots: int, max_len: int) -> HybridState:
@@ -124,14 +141,17 @@ class QwenModel(nn.Module):
         return HybridState.allocate(
             [t == "linear_attention" for t in cfg.layer_types], n_slots, max_len,
             conv=(cfg.conv_kernel - 1, cfg.conv_dim), ssm=(cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim),
-            k=(cfg.num_kv_heads, cfg.head_dim), v=(cfg.num_kv_heads, cfg.head_dim), dtype=p.dtype, device=p.device)
+            k=(cfg.num_kv_heads, cfg.head_dim), v=(cfg.num_kv_heads, cfg.head_dim), dtype=self.compute_dtype,
+            device=p.device)
 
     def forward(self, input_ids: torch.Tensor, state: HybridState | None = None, slots=None,
-                logits: str = "last") -> torch.Tensor:
+                logits: str = "last", snapshots: int = 0) -> torch.Tensor:
         """Continue N sequences by T tokens each. input_ids [N, T]; slots [N] rows of `state`.
 
         Writes the new recurrent state and KV entries in place and advances state.lengths[slots] by T.
         Returns float32 logits [N, vocab] for the last token ("last") or [N, T, vocab] ("all").
+        snapshots=K > 0 also keeps in state.snapshots the recurrent states after each of the last K
+        tokens, so that state.rollback can return any slot to one of those positions.
         Without `state` (training): each row is a whole sequence from an empty state, nothing is kept,
         gradients flow, and the logits of every position come back, [N, T, vocab].
         """
@@ -143,17 +163,26 @@ class QwenModel(nn.Module):
         with torch.no_grad():
             input_ids, slots = self._check(input_ids, state, slots, logits)
             start = state.lengths[slots]  # [N] tokens already in each slot
-            out = self._trunk(input_ids, start[:, None] + torch.arange(input_ids.shape[1], device=start.device),
-                              state, slots, start, logits)
-            state.lengths[slots] = start + input_ids.shape[1]
+            T = input_ids.shape[1]
+            snaps = Snapshots(slots.tolist(), (start + T).tolist(), T, snapshots, [None] * len(self.layers),
+                              [None] * len(self.layers)) if snapshots else None
+            out = self._trunk(input_ids, start[:, None] + torch.arange(T, device=start.device),
+                              state, slots, start, logits, snaps)
+            state.lengths[slots] = start + T
+            if snaps is not None:
+                state.snapshots = snaps
             return out
 
-    def _trunk(self, input_ids, positions, state: HybridState | None, slots, start, logits: str) -> torch.Tensor:
+    def _trunk(self, input_ids, positions, state: HybridState | None, slots, start, logits: str,
+               snaps: Snapshots | None = None) -> torch.Tensor:
         cos, sin = self.rotary(positions)
-        h = self.embed(input_ids)
+        h = self.embed(input_ids).to(self.compute_dtype)
         for i, layer in enumerate(self.layers):
             x = layer.input_norm(h)
-            if layer.recurrent:  # the ops read and write the cache rows of `slots` in place
+            if layer.recurrent and snaps is not None:
+                x, snaps.conv[i], snaps.ssm[i] = layer.mixer(x, state.conv[i], state.ssm[i], slots,
+                                                             snapshots=snaps.depth)
+            elif layer.recurrent:  # the ops read and write the cache rows of `slots` in place
                 conv, ssm = (None, None) if state is None else (state.conv[i], state.ssm[i])
                 x = layer.mixer(x, conv, ssm, slots)
             else:
@@ -163,7 +192,7 @@ class QwenModel(nn.Module):
             h = h + layer.ffn(layer.post_norm(h))
         h = self.norm(h[:, -1] if logits == "last" else h)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, head).float()
+        return linear(h, head).float()
 
     def _check(self, input_ids, state: HybridState, slots, logits: str):
         if logits not in ("last", "all"):

@@ -259,7 +259,7 @@ def _prometheus(engine: Engine) -> str:
          m.decode_tokens / m.decode_seconds if m.decode_seconds else 0.0),
         ("queue_depth", "gauge", "requests waiting for a slot", engine.queue_depth()),
         ("running_requests", "gauge", "requests holding a slot", engine.running()),
-        ("cache_bytes", "gauge", "bytes of per-slot state (KV, conv and recurrent)", engine.runner.state.nbytes()),
+        ("cache_bytes", "gauge", "bytes of per-slot state and prefix checkpoints", engine.runner.cache.nbytes()),
     ]
     out = []
     for name, kind, help_text, value in rows:

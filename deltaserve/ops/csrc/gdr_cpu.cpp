@@ -11,6 +11,7 @@
 // so the state is read and written once per token.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -232,9 +233,46 @@ void conv_forward(torch::Tensor x, torch::Tensor weight_t, torch::Tensor bias, t
   });
 }
 
+// y [M, N] = x [M, K] (float32) @ w [N, K]^T (float16), accumulated in float32. For decode (M = a few
+// sequences) the weights stream from memory once, converted to float32 in registers: the activations are
+// never rounded to float16, so the result equals a float32 matmul with the float16 weights.
+void linear_f16(torch::Tensor x, torch::Tensor w, torch::Tensor y) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const float* xp = x.data_ptr<float>();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t MB = 8;  // activation rows per pass over a weight row
+  at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t n = lo; n < hi; ++n) {
+      const uint16_t* wr = wp + n * K;
+      for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        const int64_t mb = std::min(MB, M - m0);
+        float sums[MB] = {0.f};
+        int64_t k = 0;
+#if defined(__AVX512F__)
+        __m512 acc[MB];
+        for (int64_t m = 0; m < mb; ++m) acc[m] = _mm512_setzero_ps();
+        for (; k + 16 <= K; k += 16) {
+          const __m512 wv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k)));
+          for (int64_t m = 0; m < mb; ++m)
+            acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xp + (m0 + m) * K + k), acc[m]);
+        }
+        for (int64_t m = 0; m < mb; ++m) sums[m] = _mm512_reduce_add_ps(acc[m]);
+#endif
+        for (; k < K; ++k) {
+          const float wk = static_cast<float>(c10::Half(wr[k], c10::Half::from_bits()));
+          for (int64_t m = 0; m < mb; ++m) sums[m] += wk * xp[(m0 + m) * K + k];
+        }
+        for (int64_t m = 0; m < mb; ++m) yp[(m0 + m) * N + n] = sums[m];
+      }
+    }
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdr_forward", &gdr_forward, "fused gated delta rule (CPU, float32)");
   m.def("conv_forward", &conv_forward, "short causal depthwise conv with state (CPU, float32)");
+  m.def("linear_f16", &linear_f16, "float32 activations times float16 weights, float32 accumulation (CPU)");
 }

@@ -1,0 +1,159 @@
+"""CacheManager: the decoding memory of one model, per sequence slot, and the prefix checkpoints all slots share.
+
+A slot holds the KV cache of the attention layers and the conv and delta-rule states of the recurrent
+layers (one HybridState row) for exactly the tokens in `history[slot]`. A new prompt continues a slot
+whose history it extends (the live state); otherwise it restores the newest checkpoint at or before the
+point where it leaves the cached tokens (the recurrent state saved there and the KV rows of the prefix)
+and only the rest is prefilled. A checkpoint is taken whenever a slot's length reaches a multiple of
+`interval`: the runner cuts its forward passes there, and `rollback` saves those it steps back over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from deltaserve.errors import DeltaserveError
+
+from .prefix import Block, PrefixStore
+from .state import RecurrentCopy
+
+
+class CacheManager:
+    def __init__(self, model, n_slots: int = 1, max_len: int = 4096, checkpoint_interval: int = 256,
+                 budget_mb: float = 1024.0):
+        """model: anything with new_state(n_slots, max_len) -> HybridState. checkpoint_interval 0 or
+        budget_mb 0 turn checkpoints off (live reuse still works)."""
+        if checkpoint_interval < 0 or budget_mb < 0:
+            raise DeltaserveError(f"checkpoint_interval and cache budget must be >= 0, got {checkpoint_interval} "
+                                  f"and {budget_mb} MB")
+        self.state = model.new_state(n_slots, max_len)
+        self.max_len = self.state.max_len or max_len
+        self.history: list[list[int]] = [[] for _ in range(n_slots)]  # tokens whose effect each slot holds
+        self.busy = [False] * n_slots
+        self.interval = checkpoint_interval
+        self.store = PrefixStore(checkpoint_interval, int(budget_mb * 2**20)) if checkpoint_interval and budget_mb \
+            else None
+        self.restored_tokens = 0  # prompt tokens taken from checkpoints instead of prefilled
+        self._last_used = [0] * n_slots
+        self._clock = 0
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.busy)
+
+    def free_slots(self) -> int:
+        return self.busy.count(False)
+
+    def nbytes(self) -> int:
+        """Bytes held: every slot's state plus the checkpoints."""
+        return self.state.nbytes() + (self.store.nbytes if self.store is not None else 0)
+
+    def room(self, slot: int) -> int:
+        """Tokens the slot can still take."""
+        return self.max_len - len(self.history[slot])
+
+    # ------------------------------------------------------------------ slots
+    def acquire(self, prompt: Sequence[int], slot: int | None = None) -> tuple[int, int]:
+        """A free slot (or `slot` itself, which is not marked busy) set up for `prompt`, and how many of the
+        prompt's tokens it now holds: a live slot whose history the prompt extends, else the newest
+        checkpoint on the prompt's path, else nothing (the least recently used slot starts over).
+        At least the last prompt token is always left to feed: its logits start the generation."""
+        candidates = [slot] if slot is not None else [s for s in range(self.n_slots) if not self.busy[s]]
+        if not candidates:
+            raise DeltaserveError("acquire: every slot is busy")
+        limit = len(prompt) - 1
+
+        def live(s: int) -> int:
+            h = self.history[s]
+            return len(h) if len(h) <= limit and list(prompt[:len(h)]) == h else 0
+
+        best = max(candidates, key=lambda s: (live(s), -self._last_used[s]))
+        path = self.store.checkpoint_path(prompt, limit) if self.store is not None else []
+        if path and path[-1].end > live(best):
+            end = path[-1].end  # restore where the fewest KV rows must be copied, else into the oldest slot
+            best = max(candidates, key=lambda s: (min(_common(self.history[s], prompt), end), -self._last_used[s]))
+            self._restore(best, prompt, path)
+        elif live(best) == 0:
+            best = min(candidates, key=lambda s: self._last_used[s])
+            self.reset(best)
+        if slot is None:
+            self.busy[best] = True
+        return best, len(self.history[best])
+
+    def release(self, slot: int) -> None:
+        """The slot is free again; its state stays, so a prompt that extends it can continue from it."""
+        self.busy[slot] = False
+        self._clock += 1
+        self._last_used[slot] = self._clock
+
+    def reset(self, slot: int) -> None:
+        self.state.reset([slot])
+        self.history[slot] = []
+
+    # ------------------------------------------------------------------ after forward passes
+    def boundaries(self, slot: int, n: int) -> list[int]:
+        """Offsets in 1..n at which `n` more tokens would bring the slot to a checkpoint position."""
+        if self.store is None:
+            return []
+        return list(range(self.interval - len(self.history[slot]) % self.interval, n + 1, self.interval))
+
+    def advance(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], checkpoint: bool = True) -> None:
+        """Record that slots[i] took tokens[i]; checkpoint those now at a multiple of the interval."""
+        for s, t in zip(slots, tokens):
+            self.history[s].extend(t)
+            if checkpoint and self.store is not None and len(self.history[s]) % self.interval == 0:
+                self._checkpoint(s)
+
+    def rollback(self, slot: int, length: int) -> None:
+        """After a forward pass that kept snapshots (and was recorded with checkpoint=False): the slot goes
+        back to its first `length` tokens without recompute. Checkpoint positions the pass went through up
+        to `length` are saved on the way, from their snapshots."""
+        tokens = self.history[slot]
+        snaps = self.state.snapshots
+        if self.store is not None and snaps is not None:
+            first = len(tokens) - snaps.tokens + 1
+            for b in range(-(-first // self.interval) * self.interval, length + 1, self.interval):
+                self.state.rollback(slot, b)
+                self.history[slot] = tokens[:b]
+                self._checkpoint(slot)
+        self.state.rollback(slot, length)
+        self.history[slot] = tokens[:length]
+
+    def save(self, slot: int) -> RecurrentCopy:
+        """A copy of the slot's recurrent state, to come back to with `restore` (its KV rows stay in place)."""
+        return self.state.save_recurrent(slot)
+
+    def restore(self, slot: int, saved: RecurrentCopy) -> None:
+        """Back to the point of `save`: only tokens were added to the slot since."""
+        self.state.load_recurrent(slot, saved)
+        del self.history[slot][saved.length:]
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint(self, slot: int) -> None:
+        self.store.put(self.history[slot], lambda a, b: self.state.read_kv(slot, a, b),
+                       lambda: self.state.save_recurrent(slot))
+
+    def _restore(self, slot: int, prompt: Sequence[int], path: list[Block]) -> None:
+        """Make the slot hold prompt[:end] from checkpoint blocks: KV rows it lacks, then the recurrent state."""
+        end = path[-1].end
+        have = min(_common(self.history[slot], prompt), end)  # KV rows already right in this slot
+        for block in path:
+            start = block.end - self.interval
+            if block.end > have:
+                skip = max(have - start, 0)
+                self.state.write_kv(slot, start + skip, [None if t is None else t[skip:] for t in block.k],
+                                    [None if t is None else t[skip:] for t in block.v])
+        self.state.load_recurrent(slot, path[-1].recurrent)
+        self.history[slot] = list(prompt[:end])
+        self.store.touch(path)
+        self.restored_tokens += end
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of a and b."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,120 @@
+"""CacheManager through the ModelRunner: live reuse, checkpoint restore, eviction, clean slots. Every
+logit is checked against one fresh pass of the model over the whole prompt (no cache manager involved)."""
+
+import pytest
+import torch
+
+from deltaserve.engine.runner import ModelRunner
+
+from .conftest import ARCHES
+
+EVERY = 16  # checkpoint interval: small, so short prompts cross several
+
+
+def rand(model, n, seed):
+    return torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def fresh_logits(model, tokens):
+    """float32 logits [T, V] of one pass over `tokens` from an empty state."""
+    return model(torch.tensor([tokens]), model.new_state(1, len(tokens)), [0], logits="all")[0]
+
+
+def prefill(runner, prompt):
+    """Admit `prompt` like the scheduler does; returns (slot, reused, logits [T - reused, V] of the fed tokens)."""
+    slot, reused = runner.acquire(prompt)
+    return slot, reused, runner.forward([slot], [prompt[reused:]], logits="all")[0]
+
+
+@pytest.mark.parametrize("into", ["same-slot", "other-slot"])
+@pytest.mark.parametrize("arch", ARCHES)
+def test_divergent_prompt_restores_the_newest_checkpoint_before_the_divergence(arch, into, loaded):
+    model, _ = loaded(arch)
+    runner = ModelRunner(model, n_slots=2, max_len=128, checkpoint_interval=EVERY, cache_budget_mb=8)
+    first = rand(model, 61, seed=1)
+    slot, reused, _ = prefill(runner, first)
+    assert reused == 0 and runner.cache.store.checkpoints == 3  # at 16, 32 and 48
+    if into == "same-slot":
+        runner.release(slot)  # the slot keeps its KV rows: only the recurrent state is copied in
+    second = first[:40] + rand(model, 13, seed=2)  # a second user: same first 40 tokens, then its own
+    slot2, reused, logits = prefill(runner, second)
+    assert (slot2 == slot) == (into == "same-slot")
+    assert reused == 32 and runner.cache.restored_tokens == 32
+    assert runner.history[slot2] == second
+    torch.testing.assert_close(logits, fresh_logits(model, second)[32:], atol=1e-5, rtol=1e-5)
+
+
+def test_a_prompt_extending_the_live_state_continues_it(loaded):
+    model, _ = loaded("qwen35")
+    runner = ModelRunner(model, n_slots=2, max_len=128, checkpoint_interval=EVERY, cache_budget_mb=8)
+    first = rand(model, 37, seed=3)
+    slot, _, _ = prefill(runner, first)
+    runner.forward([slot], [[5]])  # a decoded token
+    runner.release(slot)
+    longer = first + [5] + rand(model, 9, seed=4)
+    slot2, reused, logits = prefill(runner, longer)
+    assert (slot2, reused, runner.cache.restored_tokens) == (slot, 38, 0)  # live state, not the checkpoint at 32
+    torch.testing.assert_close(logits, fresh_logits(model, longer)[38:], atol=1e-5, rtol=1e-5)
+
+
+def test_eviction_keeps_the_budget(loaded):
+    model, _ = loaded("qwen3next")
+    probe = ModelRunner(model, n_slots=1, max_len=64, checkpoint_interval=EVERY)
+    prefill(probe, rand(model, EVERY + 1, seed=0))
+    block = next(iter(probe.cache.store.blocks)).nbytes()  # one checkpoint: KV rows of 16 tokens + states
+    budget_mb = 3.5 * block / 2**20
+    runner = ModelRunner(model, n_slots=1, max_len=64, checkpoint_interval=EVERY, cache_budget_mb=budget_mb)
+    prompts = [rand(model, 2 * EVERY + 3, seed=10 + i) for i in range(4)]  # two checkpoints each
+    for p in prompts:
+        slot, _, _ = prefill(runner, p)
+        runner.release(slot)
+        store = runner.cache.store
+        assert store.nbytes <= store.budget and store.nbytes == sum(b.nbytes() for b in store.blocks)
+        assert runner.cache.nbytes() == runner.state.nbytes() + store.nbytes
+    kept = [store.checkpoint_path(p, len(p))[-1].end if store.checkpoint_path(p, len(p)) else 0 for p in prompts]
+    assert kept[0] == 0 and kept[-1] == 2 * EVERY  # the oldest prompt lost its checkpoints, the newest has both
+    again = prompts[0][:2 * EVERY + 1] + [7]  # its checkpoints are gone: prefilled from scratch, still right
+    _, reused, logits = prefill(runner, again)
+    assert reused == 0
+    torch.testing.assert_close(logits, fresh_logits(model, again), atol=1e-5, rtol=1e-5)
+
+
+def test_a_freed_slot_taken_by_another_prompt_starts_clean(loaded):
+    model, _ = loaded("qwen35moe")
+    runner = ModelRunner(model, n_slots=1, max_len=64, checkpoint_interval=EVERY)
+    slot, _, _ = prefill(runner, rand(model, 29, seed=5))
+    runner.release(slot)
+    other = rand(model, 21, seed=6)
+    slot2, reused = runner.acquire(other)
+    assert (slot2, reused) == (slot, 0) and runner.history[slot] == []
+    assert all(not t[slot].any() for t in runner.state.tensors()) and int(runner.state.lengths[slot]) == 0
+    logits = runner.forward([slot], [other], logits="all")[0]
+    torch.testing.assert_close(logits, fresh_logits(model, other), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_and_rollback_save_the_checkpoints_they_pass(loaded):
+    model, _ = loaded("qwen35")
+    runner = ModelRunner(model, n_slots=2, max_len=128, checkpoint_interval=EVERY)
+    seq = rand(model, 40, seed=7)
+    slot, _, _ = prefill(runner, seq[:14])
+    for t in seq[14:17]:  # decoding one token at a time reaches 16
+        runner.forward([slot], [[t]])
+    runner.verify([slot], [seq[17:30]])  # a verify pass from 17 through 29 goes past 32 ...
+    runner.rollback(slot, 26)  # ... but only up to 26 is kept: no checkpoint at 32
+    runner.verify([slot], [seq[26:38]])
+    runner.rollback(slot, 35)  # this time 32 is passed on the way to 35
+    assert runner.history[slot] == seq[:35] and int(runner.state.lengths[slot]) == 35
+    store = runner.cache.store
+    ends = sorted(b.end for b in store.blocks if b.recurrent is not None)
+    assert ends == [16, 32]
+    for path in (store.checkpoint_path(seq, 16), store.checkpoint_path(seq, 32)):
+        end = path[-1].end
+        ref = model.new_state(1, 64)
+        model(torch.tensor([seq[:end]]), ref, [0])
+        for mine, theirs in zip(path[-1].recurrent.conv + path[-1].recurrent.ssm, ref.conv + ref.ssm):
+            if mine is not None:
+                torch.testing.assert_close(mine, theirs[0], atol=1e-5, rtol=1e-5)
+        keys = torch.cat([b.k[3] for b in path])  # layer 3 is the attention layer of the tiny model
+        torch.testing.assert_close(keys, ref.k[3][0, :end], atol=1e-4, rtol=1e-4)  # |k| ~ 1, other chunking
+    logits = runner.forward([slot], [seq[35:]], logits="all")[0]
+    torch.testing.assert_close(logits, fresh_logits(model, seq)[35:], atol=1e-5, rtol=1e-5)
