@@ -54,9 +54,8 @@ class GatedDeltaNet(nn.Module):
         cached = conv_state is not None
         qkv, z, b, a = self.in_proj(x).split([self.conv_dim, HV * V, HV, HV], dim=-1)
         tape = conv_tape(conv_state, slots, qkv) if snapshots else None
-        needs_grad = torch.is_grad_enabled() and (qkv.requires_grad or self.conv_weight.requires_grad)
         qkv, _ = causal_conv1d(qkv, self.conv_weight, conv_state=conv_state, state_indices=slots, inplace=cached,
-                               activation="silu", backend="torch" if needs_grad else "auto")  # fused: no backward
+                               activation="silu")
         q, k, v = qkv.split([H * K, H * K, HV * V], dim=-1)
         beta = torch.sigmoid(b.float())  # [N, T, HV]
         g = self.A * F.softplus(a.float() + self.dt_bias)  # [N, T, HV] log-decay <= 0

@@ -42,10 +42,13 @@ def causal_conv1d(x, weight, bias=None, *, conv_state=None, reset=None, cu_seqle
     if inplace and conv_state is None:
         raise ValueError("inplace=True needs a conv_state to write into")
     reset = check_reset(reset, N, x.device)
-    if backend == "auto":
-        backend = "fused" if x.device.type == "cpu" and fused.available() else "torch"
-    if backend == "fused" and x.device.type != "cpu":
-        raise ValueError(f"backend='fused' runs on CPU tensors only, got device {x.device}")
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (x, weight, bias, conv_state))
+    if backend == "auto":  # the kernel has no backward: training takes the torch path
+        backend = "fused" if x.device.type == "cpu" and fused.available() and not needs_grad else "torch"
+    if backend == "fused" and (x.device.type != "cpu" or needs_grad):
+        raise ValueError("backend='fused' runs on CPU tensors without gradients, got "
+                         f"device {x.device}{' and inputs that require grad' if needs_grad else ''}")
 
     dtype = torch.float32 if backend == "fused" else torch.promote_types(x.dtype, weight.dtype)
     direct = backend == "fused" and inplace and conv_state.dtype == dtype and conv_state.is_contiguous()

@@ -107,3 +107,19 @@ def test_state_indices_update_only_their_slots(conv_backend):
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(cache[slots], s_ref)
     assert torch.equal(cache[[0, 2]], before[[0, 2]])
+
+
+def test_gradients_flow_through_auto_and_match_conv1d():
+    """Training calls the conv with backend='auto': it must take a differentiable path."""
+    x = torch.randn(2, 9, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    y, _ = causal_conv1d(x, w)
+    ref = torch.stack([torch_reference(torch.cat([torch.zeros(3, 5, dtype=torch.float64), x[b]]), w, None)
+                       for b in range(2)])
+    g = torch.randn_like(ref)
+    grads = torch.autograd.grad((y * g).sum(), (x, w))
+    expected = torch.autograd.grad((ref * g).sum(), (x, w))
+    for a, b in zip(grads, expected):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="without gradients"):
+        causal_conv1d(x, w, backend="fused")
