@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from deltaserve.cache.speculative import make_speculator
 
-from .request import Done, Event, Request
+from .request import Event, Request
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler

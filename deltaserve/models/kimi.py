@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.cache.state import HybridState, Snapshots
-from deltaserve.errors import ModelLoadError
 from deltaserve.models.config import KimiConfig
 from deltaserve.models.layers import MLP, Linear, RMSNorm, SigmoidMoE, cached_attention, linear
-from deltaserve.models.qwen import QwenModel, _fetch, conv_tape
+from deltaserve.models.common import build, check_batch, fetch
+from deltaserve.models.qwen import conv_tape
 from deltaserve.ops import causal_conv1d, gated_delta_rule
 
 
@@ -153,19 +153,8 @@ class KimiModel(nn.Module):
         else:
             config = KimiConfig.from_hf(ckpt.config, str(ckpt.path))
             weights = _weights_from_hf(ckpt, config)
-        with torch.device("meta"):
-            model = cls(config)
-        stored = weight_dtype or dtype
-        keep_fp32 = {name for name, _ in model.named_parameters()
-                     if name.endswith(("norm.weight", ".A", ".dt_bias", "router.weight", "expert_bias"))}
-        params = {name: t.to(device=device, dtype=torch.float32 if name in keep_fp32 else stored)
-                  for name, t in weights}
-        missing = sorted(set(dict(model.named_parameters())) - set(params))
-        if missing:  # a bug in the weight functions, not in the file
-            raise ModelLoadError(ckpt.path, f"internal weights not produced: {missing[:5]}")
-        model.load_state_dict(params, assign=True)
-        model.compute_dtype = dtype
-        return model.requires_grad_(False).eval()
+        return build(cls, config, weights, ckpt, dtype=dtype, device=device, weight_dtype=weight_dtype,
+                     keep_fp32=("norm.weight", ".A", ".dt_bias", "router.weight", "expert_bias"))
 
     def new_state(self, n_slots: int, max_len: int) -> HybridState:
         """Per slot: KDA conv rows [q | k | v] and delta-rule states; MLA rows [c | k_pe] in `k`. `v` has
@@ -177,7 +166,6 @@ class KimiModel(nn.Module):
             k=(1, cfg.kv_lora_rank + cfg.qk_rope_head_dim), v=(1, 0), dtype=self.compute_dtype,
             device=p.device)
 
-    _check = QwenModel._check  # the same argument checks: dtypes, distinct slots, token ids, room left
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, state: HybridState, slots, logits: str = "last",
@@ -189,7 +177,7 @@ class KimiModel(nn.Module):
         snapshots=K > 0 also keeps in state.snapshots the recurrent states after each of the last K
         tokens, so that state.rollback can return any slot to one of those positions.
         """
-        input_ids, slots = self._check(input_ids, state, slots, logits)
+        input_ids, slots = check_batch(self, input_ids, state, slots, logits)
         T = input_ids.shape[1]
         start = state.lengths[slots]  # [N] tokens already in each slot
         snaps = Snapshots(slots.tolist(), (start + T).tolist(), T, snapshots, [None] * len(self.layers),
@@ -224,7 +212,7 @@ def _weights_from_hf(ckpt, cfg: KimiConfig) -> Iterator[tuple[str, torch.Tensor]
     nh, dn, dr, dv, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
 
     def w(name, *shape):
-        return _fetch(ckpt, name, *shape)
+        return fetch(ckpt, name, *shape)
 
     yield "embed.weight", w("model.embed_tokens.weight", cfg.vocab_size, E)
     yield "norm.weight", w("model.norm.weight", E)
@@ -301,7 +289,7 @@ def _weights_from_gguf(ckpt, cfg: KimiConfig) -> Iterator[tuple[str, torch.Tenso
     nh, dn, dr, dv, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
 
     def w(name, *shape):
-        return _fetch(ckpt, name, *shape)
+        return fetch(ckpt, name, *shape)
 
     yield "embed.weight", w("token_embd.weight", cfg.vocab_size, E)
     yield "norm.weight", w("output_norm.weight", E)

@@ -9,15 +9,13 @@ Everything a checkpoint format does differently is undone in `_weights_from_hf` 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.cache.state import HybridState, Snapshots
-from deltaserve.errors import DeltaserveError, ModelLoadError
-from deltaserve.loader.gguf_file import progress_bar
+from deltaserve.models.common import build, check_batch, check_ids, fetch
 from deltaserve.models.config import QwenConfig
 from deltaserve.models.layers import MLP, GatedAttention, Linear, RMSNorm, RotaryEmbedding, SparseMoE, linear
 from deltaserve.ops import causal_conv1d, gated_delta_rule
@@ -117,23 +115,8 @@ class QwenModel(nn.Module):
         else:
             config = QwenConfig.from_hf(ckpt.config, str(ckpt.path))
             weights = _weights_from_hf(ckpt, config)
-        with torch.device("meta"):
-            model = cls(config)
-        stored = weight_dtype or dtype
-        keep_fp32 = {name for name, _ in model.named_parameters()
-                     if name.endswith(("norm.weight", ".A", ".dt_bias"))}
-        params = {}
-        total = sum(p.numel() * (4 if n in keep_fp32 else stored.itemsize) for n, p in model.named_parameters())
-        with progress_bar(total, f"loading {Path(ckpt.path).name}") as bar:
-            for name, t in weights:  # one tensor at a time: the file's copy is never held whole
-                params[name] = t.to(device=device, dtype=torch.float32 if name in keep_fp32 else stored)
-                bar.update(params[name].nbytes)
-        missing = sorted(set(dict(model.named_parameters())) - set(params))
-        if missing:  # a bug in the weight functions, not in the file
-            raise ModelLoadError(ckpt.path, f"internal weights not produced: {missing[:5]}")
-        model.load_state_dict(params, assign=True)
-        model.compute_dtype = dtype
-        return model.requires_grad_(False).eval()
+        return build(cls, config, weights, ckpt, dtype=dtype, device=device, weight_dtype=weight_dtype,
+                     keep_fp32=("norm.weight", ".A", ".dt_bias"))
 
     def new_state(self, n_slots: int, max_len: int) -> HybridState:
         cfg, p = self.config, self.embed.weight
@@ -155,12 +138,12 @@ class QwenModel(nn.Module):
         gradients flow, and the logits of every position come back, [N, T, vocab].
         """
         if state is None:
-            input_ids = _check_ids(input_ids, self.config.vocab_size).to(self.embed.weight.device)
+            input_ids = check_ids(input_ids, self.config.vocab_size).to(self.embed.weight.device)
             N, T = input_ids.shape
             positions = torch.arange(T, device=input_ids.device).expand(N, T)
             return self._trunk(input_ids, positions, None, None, None, "all")
         with torch.no_grad():
-            input_ids, slots = self._check(input_ids, state, slots, logits)
+            input_ids, slots = check_batch(self, input_ids, state, slots, logits)
             start = state.lengths[slots]  # [N] tokens already in each slot
             T = input_ids.shape[1]
             snaps = Snapshots(slots.tolist(), (start + T).tolist(), T, snapshots, [None] * len(self.layers),
@@ -193,46 +176,7 @@ class QwenModel(nn.Module):
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return linear(h, head).float()
 
-    def _check(self, input_ids, state: HybridState, slots, logits: str):
-        if logits not in ("last", "all"):
-            raise DeltaserveError(f"logits must be 'last' or 'all', got {logits!r}")
-        N, T = _check_ids(input_ids, self.config.vocab_size).shape
-        slots = torch.as_tensor(slots, dtype=torch.long, device=state.lengths.device).reshape(-1)
-        if slots.numel() != N or N == 0 or T == 0:
-            raise DeltaserveError(f"input_ids {list(input_ids.shape)} needs N, T >= 1 and one slot per row, "
-                                  f"got {slots.numel()} slots")
-        if (int(slots.min()) < 0 or int(slots.max()) >= state.n_slots or slots.unique().numel() != N):
-            raise DeltaserveError(f"slots {slots.tolist()} must be distinct and in [0, {state.n_slots})")
-        if state.max_len and int(state.lengths[slots].max()) + T > state.max_len:
-            raise DeltaserveError(f"slots {slots.tolist()} at lengths {state.lengths[slots].tolist()} cannot take "
-                                  f"{T} more tokens (max_len {state.max_len})")
-        return input_ids.to(self.embed.weight.device), slots
-
-
-def _check_ids(input_ids, vocab_size: int) -> torch.Tensor:
-    """input_ids must be an int64 tensor [N, T] with N, T >= 1 and every id in [0, vocab_size)."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
-        got = (f"{input_ids.dtype} {list(input_ids.shape)}" if isinstance(input_ids, torch.Tensor)
-               else type(input_ids).__name__)
-        raise DeltaserveError(f"input_ids must be an int64 tensor [N, T], got {got}")
-    if input_ids.numel() == 0:
-        raise DeltaserveError(f"input_ids {list(input_ids.shape)} needs N, T >= 1")
-    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size:
-        raise DeltaserveError(f"token ids must be in [0, {vocab_size}), got "
-                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")
-    return input_ids
-
-
 # ---------------------------------------------------------------------------- checkpoint formats
-
-def _fetch(ckpt, name: str, *shape: int) -> torch.Tensor:
-    """Tensor `name` as float32 of exactly `shape`; size-1 axes may differ ([C, 1, W] conv weights)."""
-    if not ckpt.has(name):
-        raise ModelLoadError(ckpt.path, f"missing tensor (expected shape {list(shape)})", tensor=name)
-    got = tuple(ckpt.shape(name))
-    if got != shape and [d for d in got if d != 1] == [d for d in shape if d != 1]:
-        return ckpt.load(name, dtype=torch.float32).reshape(shape)
-    return ckpt.load(name, dtype=torch.float32, shape=shape)
 
 
 def _split_per_key_head(t: torch.Tensor, H: int, sizes: list[int]) -> list[torch.Tensor]:
@@ -260,7 +204,7 @@ def _weights_from_hf(ckpt, cfg: QwenConfig) -> Iterator[tuple[str, torch.Tensor]
     p = "model.language_model." if ckpt.has("model.language_model.embed_tokens.weight") else "model."
 
     def w(name, *shape):
-        return _fetch(ckpt, name, *shape)
+        return fetch(ckpt, name, *shape)
 
     def norm(name, dim):
         return w(name, dim) + 1.0
@@ -332,7 +276,7 @@ def _weights_from_gguf(ckpt, cfg: QwenConfig) -> Iterator[tuple[str, torch.Tenso
     tiled = cfg.arch != "qwen3next" and r > 1
 
     def w(name, *shape):
-        return _fetch(ckpt, name, *shape)
+        return fetch(ckpt, name, *shape)
 
     def grouped(t, dim, head):
         return _tiled_to_grouped(t, dim, H, r, head) if tiled else t

@@ -6,7 +6,6 @@ State layout, everywhere in deltaserve: float32 [N, HV, K, V], one K x V matrix 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import fused as fused_mod
 from .checks import check_cu_seqlens, check_reset, check_state_indices, fail

@@ -91,7 +91,7 @@ def causal_conv1d(x, weight, bias=None, *, conv_state=None, reset=None, cu_seqle
 
 def _conv_torch(x, weight, bias, state, cu_seqlens, activation):
     """The conv in torch ops: x [B, T, C], state [N, W-1, C] -> (y [B, T, C], new state [N, W-1, C])."""
-    (B, T, Ch), W, N = x.shape, weight.shape[1], state.shape[0]
+    (_, T, Ch), W, N = x.shape, weight.shape[1], state.shape[0]
     if cu_seqlens is None:
         xp = torch.cat([state, x], dim=1)  # [B, W-1+T, C]
         y = sum(xp[:, w:w + T] * weight[:, w] for w in range(W))

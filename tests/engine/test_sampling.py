@@ -1,6 +1,5 @@
 """The sampler's filters against hand-computed distributions."""
 
-import math
 
 import pytest
 import torch

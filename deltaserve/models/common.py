@@ -1,0 +1,76 @@
+"""What the model families share: building from a checkpoint, fetching tensors, checking a batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from deltaserve.cache.state import HybridState
+from deltaserve.errors import DeltaserveError, ModelLoadError
+from deltaserve.loader.gguf_file import progress_bar
+
+
+def build(cls, config, weights, ckpt, *, dtype: torch.dtype, device, weight_dtype: torch.dtype | None,
+          keep_fp32: tuple[str, ...]):
+    """An instance of model class `cls` for `config`, its parameters taken from the (name, tensor) pairs of
+    `weights`. Parameters whose names end with `keep_fp32` stay float32; the others are stored in
+    `weight_dtype` (default `dtype`, the dtype the activations are computed in)."""
+    with torch.device("meta"):
+        model = cls(config)
+    stored = weight_dtype or dtype
+    keep = {name for name, _ in model.named_parameters() if name.endswith(keep_fp32)}
+    params = {}
+    total = sum(p.numel() * (4 if n in keep else stored.itemsize) for n, p in model.named_parameters())
+    with progress_bar(total, f"loading {Path(ckpt.path).name}") as bar:
+        for name, t in weights:  # one tensor at a time: the file's copy is never held whole
+            params[name] = t.to(device=device, dtype=torch.float32 if name in keep else stored)
+            bar.update(params[name].nbytes)
+    missing = sorted(set(dict(model.named_parameters())) - set(params))
+    if missing:  # a bug in the weight functions, not in the file
+        raise ModelLoadError(ckpt.path, f"internal weights not produced: {missing[:5]}")
+    model.load_state_dict(params, assign=True)
+    model.compute_dtype = dtype
+    return model.requires_grad_(False).eval()
+
+
+def fetch(ckpt, name: str, *shape: int) -> torch.Tensor:
+    """Tensor `name` as float32 of exactly `shape`; size-1 axes may differ ([C, 1, W] conv weights)."""
+    if not ckpt.has(name):
+        raise ModelLoadError(ckpt.path, f"missing tensor (expected shape {list(shape)})", tensor=name)
+    got = tuple(ckpt.shape(name))
+    if got != shape and [d for d in got if d != 1] == [d for d in shape if d != 1]:
+        return ckpt.load(name, dtype=torch.float32).reshape(shape)
+    return ckpt.load(name, dtype=torch.float32, shape=shape)
+
+
+def check_batch(model, input_ids, state: HybridState, slots, logits: str):
+    """The arguments of a model's cached forward: ids in the vocabulary, one distinct slot per row, room left.
+    Returns input_ids on the model's device and slots as an int64 tensor."""
+    if logits not in ("last", "all"):
+        raise DeltaserveError(f"logits must be 'last' or 'all', got {logits!r}")
+    N, T = check_ids(input_ids, model.config.vocab_size).shape
+    slots = torch.as_tensor(slots, dtype=torch.long, device=state.lengths.device).reshape(-1)
+    if slots.numel() != N or N == 0 or T == 0:
+        raise DeltaserveError(f"input_ids {list(input_ids.shape)} needs N, T >= 1 and one slot per row, "
+                              f"got {slots.numel()} slots")
+    if (int(slots.min()) < 0 or int(slots.max()) >= state.n_slots or slots.unique().numel() != N):
+        raise DeltaserveError(f"slots {slots.tolist()} must be distinct and in [0, {state.n_slots})")
+    if state.max_len and int(state.lengths[slots].max()) + T > state.max_len:
+        raise DeltaserveError(f"slots {slots.tolist()} at lengths {state.lengths[slots].tolist()} cannot take "
+                              f"{T} more tokens (max_len {state.max_len})")
+    return input_ids.to(model.embed.weight.device), slots
+
+
+def check_ids(input_ids, vocab_size: int) -> torch.Tensor:
+    """input_ids must be an int64 tensor [N, T] with N, T >= 1 and every id in [0, vocab_size)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        got = (f"{input_ids.dtype} {list(input_ids.shape)}" if isinstance(input_ids, torch.Tensor)
+               else type(input_ids).__name__)
+        raise DeltaserveError(f"input_ids must be an int64 tensor [N, T], got {got}")
+    if input_ids.numel() == 0:
+        raise DeltaserveError(f"input_ids {list(input_ids.shape)} needs N, T >= 1")
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size:
+        raise DeltaserveError(f"token ids must be in [0, {vocab_size}), got "
+                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+    return input_ids
