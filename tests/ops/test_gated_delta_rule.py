@@ -268,3 +268,16 @@ def test_bad_state_indices(idx, match):
     q, k, v, g, beta, _ = make_inputs(2, 3, 2, 4, 16, 24)
     with pytest.raises(ValueError, match=match):
         gated_delta_rule(q, k, v, g, beta, initial_state=torch.zeros(4, 4, 16, 24), state_indices=idx, inplace=True)
+
+
+@pytest.mark.parametrize("gate", ["headwise", "per_channel"])
+@pytest.mark.parametrize("V", [64, 192], ids=lambda v: f"V{v}")
+def test_value_widths_in_blocks_of_64(backend, V, gate):
+    """Real head sizes (V a multiple of 64) take the fused kernel's register-blocked sweep."""
+    q, k, v, g, beta, state = make_inputs(2, 70, 2, 4, 128, V, per_channel=gate == "per_channel")
+    o_ref, s_ref, snaps_ref = reference(q, k, v, g, beta, state, snapshots=2)
+    o, s, snaps = gated_delta_rule(q, k, v, g, beta, initial_state=state, use_qk_l2norm=True, snapshots=2,
+                                   backend=backend)
+    assert_close(o, o_ref, 2e-4)
+    assert_close(s, s_ref, 2e-4)
+    assert_close(snaps, snaps_ref, 2e-4)
