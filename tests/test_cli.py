@@ -48,3 +48,10 @@ def test_a_corrupt_model_is_one_clear_line(tmp_path):
     done = deltaserve("run", bad, "-p", "x")
     assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1
     assert done.stderr.startswith(f"deltaserve: error: {bad}")
+
+
+def test_run_without_a_model_uses_the_embedded_one():
+    done = deltaserve("run", "-p", "ROMEO:", "-n", "40", "--seed", "1")
+    assert done.returncode == 0, done.stderr
+    text = done.stdout[len("ROMEO:"):]
+    assert done.stdout.startswith("ROMEO:") and len(text.split()) >= 10  # about 40 tokens of words
