@@ -78,9 +78,9 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, reset=
                                                      use_qk_l2norm=use_qk_l2norm)
         final, snaps = final.float(), (snaps.float() if snaps is not None else None)
     elif backend == "fused":
-        cu = cu_seqlens if cu_seqlens is not None else torch.arange(0, (B + 1) * T, T)
-        o, final, snaps = fused_mod.fused(*(x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)),
-                                          scale=scale, state=state, cu_seqlens=cu.cpu(), snapshots=snapshots,
+        cu = fused_mod.dense_cu_seqlens(B, T) if cu_seqlens is None else cu_seqlens.to("cpu", torch.int64)
+        o, final, snaps = fused_mod.fused(*(x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, g, beta)),
+                                          scale=scale, state=state, cu_seqlens=cu, snapshots=snapshots,
                                           use_qk_l2norm=use_qk_l2norm, state_indices=idx)
         o = o.view(B, T, HV, V)
     else:

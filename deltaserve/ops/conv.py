@@ -67,14 +67,13 @@ def causal_conv1d(x, weight, bias=None, *, conv_state=None, reset=None, cu_seqle
             state = state.clone(memory_format=torch.contiguous_format)  # the kernel writes its state argument
 
     if backend == "fused":
-        cu = cu_seqlens.cpu() if cu_seqlens is not None else torch.arange(0, (B + 1) * T, T)
+        cu = fused.dense_cu_seqlens(B, T) if cu_seqlens is None else cu_seqlens.to("cpu", torch.int64)
         y = torch.empty(B * T, Ch, dtype=dtype)
-        idx = state_indices if direct and state_indices is not None else torch.empty(0, dtype=torch.int64)
-        empty = torch.empty(0, dtype=dtype)
+        idx = state_indices if direct and state_indices is not None else fused.EMPTY_I64
         fused.extension().conv_forward(x.reshape(B * T, Ch).to(dtype).contiguous(),
                                        weight.t().to(dtype).contiguous(),
-                                       empty if bias is None else bias.to(dtype).contiguous(), state,
-                                       cu.to(torch.int64), idx, y, activation == "silu")
+                                       fused.EMPTY_F32 if bias is None else bias.to(dtype).contiguous(), state,
+                                       cu, idx, y, activation == "silu")
         y, new_state = y.view(B, T, Ch), state
     else:
         y, new_state = _conv_torch(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype), state,

@@ -59,17 +59,30 @@ def available() -> bool:
 
 
 def fused(q, k, v, g, beta, *, scale, state, cu_seqlens, snapshots, use_qk_l2norm, state_indices=None):
-    """q, k [1, T, H, K]; v [1, T, HV, V]; g [1, T, HV(, K)]; beta [1, T, HV]; cu_seqlens [N + 1];
-    state [S, HV, K, V] float32, advanced in place: sequence n owns row state_indices[n] (row n when None).
-    Returns (o [1, T, HV, V] float32, state, snaps [N, snapshots, HV, K, V] | None)."""
+    """q, k [T, H, K]; v [T, HV, V]; g [T, HV(, K)]; beta [T, HV] (all sequences' tokens, packed);
+    cu_seqlens [N + 1] int64 on CPU; state [S, HV, K, V] float32, advanced in place: sequence n owns row
+    state_indices[n] (row n when None). Returns (o [T, HV, V] float32, state, snaps [N, snapshots, HV, K, V]
+    | None)."""
     if q.device.type != "cpu":
         raise ValueError(f"backend='fused' runs on CPU tensors only, got device {q.device}")
     f32 = torch.float32
-    q, k, v, g, beta = (x[0].to(f32).contiguous() for x in (q, k, v, g, beta))
+    # a decode step is ~40 us of kernel: skip every conversion that would be a no-op
+    q, k, v, g, beta = (x if x.dtype == f32 and x.is_contiguous() else x.to(f32).contiguous()
+                        for x in (q, k, v, g, beta))
     N, (_, HV, K, V) = cu_seqlens.numel() - 1, state.shape
-    idx = torch.empty(0, dtype=torch.int64) if state_indices is None else state_indices.to(torch.int64).contiguous()
-    snaps = torch.empty((N, snapshots, HV, K, V) if snapshots else (0,), dtype=f32)
+    idx = EMPTY_I64 if state_indices is None else state_indices.contiguous()
+    snaps = torch.empty((N, snapshots, HV, K, V), dtype=f32) if snapshots else EMPTY_F32
     o = torch.empty_like(v)
-    extension().gdr_forward(q, k, v, g, beta, state, cu_seqlens.to(torch.int64).contiguous(), idx, o, snaps,
-                             float(scale), bool(use_qk_l2norm))
-    return o[None], state, (snaps if snapshots else None)
+    extension().gdr_forward(q, k, v, g, beta, state, cu_seqlens, idx, o, snaps, float(scale), bool(use_qk_l2norm))
+    return o, state, (snaps if snapshots else None)
+
+
+# Empty placeholders the kernel reads as "absent" (never written).
+EMPTY_I64 = torch.empty(0, dtype=torch.int64)
+EMPTY_F32 = torch.empty(0, dtype=torch.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def dense_cu_seqlens(B: int, T: int) -> torch.Tensor:
+    """Offsets of B sequences of T tokens each, [0, T, 2T, ...] (shared: callers must not write it)."""
+    return torch.arange(0, (B + 1) * T, T, dtype=torch.int64)
