@@ -9,13 +9,23 @@ import torch
 from deltaserve.cache.state import HybridState
 from deltaserve.errors import DeltaserveError, ModelLoadError
 from deltaserve.loader.gguf_file import progress_bar
+from deltaserve.models.layers import linear
 
 
-def build(cls, config, weights, ckpt, *, dtype: torch.dtype, device, weight_dtype: torch.dtype | None,
-          keep_fp32: tuple[str, ...]):
-    """An instance of model class `cls` for `config`, its parameters taken from the (name, tensor) pairs of
-    `weights`. Parameters whose names end with `keep_fp32` stay float32; the others are stored in
-    `weight_dtype` (default `dtype`, the dtype the activations are computed in)."""
+def build(cls, config_cls, weights_from_gguf, weights_from_hf, ckpt, *, dtype: torch.dtype, device,
+          weight_dtype: torch.dtype | None, keep_fp32: tuple[str, ...]):
+    """An instance of model class `cls` from an opened checkpoint: a GGUF file (has `.metadata`) or a
+    transformers directory (has `.config`), read by the family's config class and weight functions.
+    Parameters whose names end with `keep_fp32` stay float32; the others are stored in `weight_dtype`
+    (default `dtype`, the dtype the activations are computed in)."""
+    if getattr(ckpt, "metadata", None) is not None:
+        vocab = ckpt.shape("token_embd.weight")[0] if ckpt.has("token_embd.weight") else None
+        config = config_cls.from_gguf(ckpt.metadata, str(ckpt.path), vocab_size=vocab,
+                                      tie_word_embeddings=not ckpt.has("output.weight"))
+        weights = weights_from_gguf(ckpt, config)
+    else:
+        config = config_cls.from_hf(ckpt.config, str(ckpt.path))
+        weights = weights_from_hf(ckpt, config)
     with torch.device("meta"):
         model = cls(config)
     stored = weight_dtype or dtype
@@ -32,6 +42,12 @@ def build(cls, config, weights, ckpt, *, dtype: torch.dtype, device, weight_dtyp
     model.load_state_dict(params, assign=True)
     model.compute_dtype = dtype
     return model.requires_grad_(False).eval()
+
+
+def lm_logits(model, h: torch.Tensor) -> torch.Tensor:
+    """float32 logits of the final hidden states h, through the output head or the tied embedding."""
+    head = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    return linear(h, head).float()
 
 
 def fetch(ckpt, name: str, *shape: int) -> torch.Tensor:

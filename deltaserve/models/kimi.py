@@ -17,8 +17,8 @@ from torch import nn
 
 from deltaserve.cache.state import HybridState, Snapshots
 from deltaserve.models.config import KimiConfig
-from deltaserve.models.layers import MLP, Linear, RMSNorm, SigmoidMoE, cached_attention, linear
-from deltaserve.models.common import build, check_batch, fetch
+from deltaserve.models.layers import MLP, Linear, RMSNorm, SigmoidMoE, cached_attention
+from deltaserve.models.common import build, check_batch, fetch, lm_logits
 from deltaserve.models.qwen import conv_tape
 from deltaserve.ops import causal_conv1d, gated_delta_rule
 
@@ -145,16 +145,8 @@ class KimiModel(nn.Module):
         """Build from an opened checkpoint: a GGUF file (has `.metadata`) or a transformers directory
         (has `.config`). Norms, A, dt_bias and the routers stay float32; every other weight is stored in
         `weight_dtype` (default: `dtype`, the dtype the activations are computed in)."""
-        if getattr(ckpt, "metadata", None) is not None:
-            vocab = ckpt.shape("token_embd.weight")[0] if ckpt.has("token_embd.weight") else None
-            config = KimiConfig.from_gguf(ckpt.metadata, str(ckpt.path), vocab_size=vocab,
-                                          tie_word_embeddings=not ckpt.has("output.weight"))
-            weights = _weights_from_gguf(ckpt, config)
-        else:
-            config = KimiConfig.from_hf(ckpt.config, str(ckpt.path))
-            weights = _weights_from_hf(ckpt, config)
-        return build(cls, config, weights, ckpt, dtype=dtype, device=device, weight_dtype=weight_dtype,
-                     keep_fp32=("norm.weight", ".A", ".dt_bias", "router.weight", "expert_bias"))
+        return build(cls, KimiConfig, _weights_from_gguf, _weights_from_hf, ckpt, dtype=dtype, device=device,
+                     weight_dtype=weight_dtype, keep_fp32=("norm.weight", ".A", ".dt_bias", "router.weight", "expert_bias"))
 
     def new_state(self, n_slots: int, max_len: int) -> HybridState:
         """Per slot: KDA conv rows [q | k | v] and delta-rule states; MLA rows [c | k_pe] in `k`. `v` has
@@ -165,7 +157,6 @@ class KimiModel(nn.Module):
             conv=(cfg.conv_kernel - 1, 3 * cfg.kda_dim), ssm=(cfg.kda_heads, cfg.kda_head_dim, cfg.kda_head_dim),
             k=(1, cfg.kv_lora_rank + cfg.qk_rope_head_dim), v=(1, 0), dtype=self.compute_dtype,
             device=p.device)
-
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, state: HybridState, slots, logits: str = "last",
@@ -198,8 +189,7 @@ class KimiModel(nn.Module):
         if snaps is not None:
             state.snapshots = snaps
         h = self.norm(h[:, -1] if logits == "last" else h)
-        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return linear(h, head).float()
+        return lm_logits(self, h)
 
 
 # ---------------------------------------------------------------------------- checkpoint formats

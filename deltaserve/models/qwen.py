@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.cache.state import HybridState, Snapshots
-from deltaserve.models.common import build, check_batch, check_ids, fetch
+from deltaserve.models.common import build, check_batch, check_ids, fetch, lm_logits
 from deltaserve.models.config import QwenConfig
-from deltaserve.models.layers import MLP, GatedAttention, Linear, RMSNorm, RotaryEmbedding, SparseMoE, linear
+from deltaserve.models.layers import MLP, GatedAttention, Linear, RMSNorm, RotaryEmbedding, SparseMoE
 from deltaserve.ops import causal_conv1d, gated_delta_rule
 
 
@@ -107,16 +107,8 @@ class QwenModel(nn.Module):
         """Build from an opened checkpoint: a GGUF file (has `.metadata`) or a transformers directory
         (has `.config`). Norms, A and dt_bias stay float32; every other weight is stored in
         `weight_dtype` (default: `dtype`, the dtype the activations are computed in)."""
-        if getattr(ckpt, "metadata", None) is not None:
-            vocab = ckpt.shape("token_embd.weight")[0] if ckpt.has("token_embd.weight") else None
-            config = QwenConfig.from_gguf(ckpt.metadata, str(ckpt.path), vocab_size=vocab,
-                                          tie_word_embeddings=not ckpt.has("output.weight"))
-            weights = _weights_from_gguf(ckpt, config)
-        else:
-            config = QwenConfig.from_hf(ckpt.config, str(ckpt.path))
-            weights = _weights_from_hf(ckpt, config)
-        return build(cls, config, weights, ckpt, dtype=dtype, device=device, weight_dtype=weight_dtype,
-                     keep_fp32=("norm.weight", ".A", ".dt_bias"))
+        return build(cls, QwenConfig, _weights_from_gguf, _weights_from_hf, ckpt, dtype=dtype, device=device,
+                     weight_dtype=weight_dtype, keep_fp32=("norm.weight", ".A", ".dt_bias"))
 
     def new_state(self, n_slots: int, max_len: int) -> HybridState:
         cfg, p = self.config, self.embed.weight
@@ -173,8 +165,7 @@ class QwenModel(nn.Module):
             h = h + x
             h = h + layer.ffn(layer.post_norm(h))
         h = self.norm(h[:, -1] if logits == "last" else h)
-        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return linear(h, head).float()
+        return lm_logits(self, h)
 
 # ---------------------------------------------------------------------------- checkpoint formats
 
