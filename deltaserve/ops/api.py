@@ -79,10 +79,8 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, reset=
         final, snaps = final.float(), (snaps.float() if snaps is not None else None)
     elif backend == "fused":
         cu = fused_mod.dense_cu_seqlens(B, T) if cu_seqlens is None else cu_seqlens.to("cpu", torch.int64)
-        o, final, snaps = fused_mod.fused(*(x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, g, beta)),
-                                          scale=scale, state=state, cu_seqlens=cu, snapshots=snapshots,
-                                          use_qk_l2norm=use_qk_l2norm, state_indices=idx)
-        o = o.view(B, T, HV, V)
+        o, final, snaps = fused_mod.fused(q, k, v, g, beta, scale=scale, state=state, cu_seqlens=cu,
+                                          snapshots=snapshots, use_qk_l2norm=use_qk_l2norm, state_indices=idx)
     else:
         fn = chunk if backend == "chunk" else recurrent
         kw = dict(scale=scale, state=state, snapshots=snapshots, use_qk_l2norm=use_qk_l2norm)

@@ -59,10 +59,10 @@ def available() -> bool:
 
 
 def fused(q, k, v, g, beta, *, scale, state, cu_seqlens, snapshots, use_qk_l2norm, state_indices=None):
-    """q, k [T, H, K]; v [T, HV, V]; g [T, HV(, K)]; beta [T, HV] (all sequences' tokens, packed);
-    cu_seqlens [N + 1] int64 on CPU; state [S, HV, K, V] float32, advanced in place: sequence n owns row
-    state_indices[n] (row n when None). Returns (o [T, HV, V] float32, state, snaps [N, snapshots, HV, K, V]
-    | None)."""
+    """q, k [..., H, K]; v [..., HV, V]; g [..., HV(, K)]; beta [..., HV], where the leading dims hold all
+    sequences' tokens in order ([B, T] or [1, T] packed); cu_seqlens [N + 1] int64 on CPU; state
+    [S, HV, K, V] float32, advanced in place: sequence n owns row state_indices[n] (row n when None).
+    Returns (o like v, float32; state; snaps [N, snapshots, HV, K, V] | None)."""
     if q.device.type != "cpu":
         raise ValueError(f"backend='fused' runs on CPU tensors only, got device {q.device}")
     f32 = torch.float32

@@ -78,7 +78,8 @@ def test_zero_initial_state_by_default(backend):
 
 
 @pytest.mark.parametrize("gate", ["headwise", "per_channel"])
-@pytest.mark.parametrize("lens", [(5, 70, 1, 33), (0, 9, 2), (64,)], ids=lambda l: "lens" + "-".join(map(str, l)))
+@pytest.mark.parametrize("lens", [(5, 70, 1, 33), (0, 9, 2), (64,), (250, 7, 300, 0, 20)],
+                         ids=lambda l: "lens" + "-".join(map(str, l)))
 def test_packed_sequences_equal_separate_calls(backend, lens, gate):
     H, HV, K, V = 2, 4, 16, 24
     T = sum(lens)
@@ -92,6 +93,23 @@ def test_packed_sequences_equal_separate_calls(backend, lens, gate):
         assert_close(o[:, a:b], o_n, 2e-4)
         assert_close(s[n:n + 1], s_n, 2e-4)
         assert_close(snaps[n:n + 1], snaps_n, 2e-4)  # shorter than 4 tokens: older entries = initial state
+
+
+@pytest.mark.parametrize("gate", ["headwise", "per_channel"])
+@pytest.mark.parametrize("V", [24, 64], ids=lambda v: f"V{v}")
+def test_extreme_gates(backend, gate, V):
+    """No decay for a long stretch, then decays that underflow exp(g) to 0: the state is forgotten exactly."""
+    q, k, v, g, beta, state = make_inputs(1, 300, 2, 4, 16, V, per_channel=gate == "per_channel")
+    g[:, :100] = 0.0
+    g[:, 150:160] = -60.0    # exp(-60) ~ 1e-26: below float32's normal range after a few tokens
+    g[:, 200] = -1e4         # exp underflows to exactly 0
+    g[:, 250:] = -1e-3
+    o_ref, s_ref, snaps_ref = reference(q, k, v, g, beta, state, snapshots=3)
+    o, s, snaps = gated_delta_rule(q, k, v, g, beta, initial_state=state, use_qk_l2norm=True, snapshots=3,
+                                   backend=backend)
+    assert_close(o, o_ref, 2e-4)
+    assert_close(s, s_ref, 2e-4)
+    assert_close(snaps, snaps_ref, 2e-4)
 
 
 @pytest.mark.parametrize("garbage", [1e9, float("nan"), float("inf")], ids=["1e9", "nan", "inf"])
