@@ -18,9 +18,10 @@ ARCHITECTURES = {
 def load_model(ckpt, dtype=None, device="cpu", weight_dtype=None):
     """The model of an opened checkpoint (deltaserve.loader.open_checkpoint), weights on `device`.
 
-    dtype: the activations' dtype (default float32). weight_dtype: how matmul weights are stored; by default
-    float16 when the file stores them in 16 bits or quantised (half the memory and bandwidth of float32; lossless
-    for F16, and for Q8_0 a rounding 20x below the quantisation's own), else `dtype`."""
+    dtype: the activations' dtype (default float32). weight_dtype: how matmul weights are stored; by default,
+    with float32 activations, as the file stores them where that is lossless: Q8_0 (torch.int8, see
+    layers.quantize_q8) for a Q8_0 file, float16 for other 16-bit or quantised files (lossless for F16, and
+    for other quantisations a rounding far below their own); else `dtype`."""
     import torch
 
     arch = ckpt.arch if hasattr(ckpt, "metadata") else ckpt.config.get("model_type")
@@ -29,16 +30,20 @@ def load_model(ckpt, dtype=None, device="cpu", weight_dtype=None):
                                         f"{', '.join(sorted(ARCHITECTURES))})")
     dtype = dtype or torch.float32
     if weight_dtype is None:
-        weight_dtype = torch.float16 if dtype == torch.float32 and _stores_f16(ckpt) else dtype
+        weight_dtype = _stored_dtype(ckpt) if dtype == torch.float32 else dtype
     return ARCHITECTURES[arch].from_checkpoint(ckpt, dtype=dtype, device=device, weight_dtype=weight_dtype)
 
 
-def _stores_f16(ckpt) -> bool:
-    """Whether the file keeps its embedding (the largest matmul weight) in fewer than 32 bits."""
+def _stored_dtype(ckpt):
+    """How to keep the matmul weights, judged by the file's embedding (the largest one)."""
     import gguf
+    import torch
 
-    return hasattr(ckpt, "metadata") and ckpt.has("token_embd.weight") and \
-        ckpt.qtype("token_embd.weight") not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F64)
+    Q = gguf.GGMLQuantizationType
+    if not (hasattr(ckpt, "metadata") and ckpt.has("token_embd.weight")):
+        return torch.float32
+    qtype = ckpt.qtype("token_embd.weight")
+    return torch.float32 if qtype in (Q.F32, Q.F64) else torch.int8 if qtype == Q.Q8_0 else torch.float16
 
 
 __all__ = ["ARCHITECTURES", "KimiConfig", "KimiModel", "QwenConfig", "QwenModel", "load_model"]

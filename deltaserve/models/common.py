@@ -9,7 +9,8 @@ import torch
 from deltaserve.cache.state import HybridState
 from deltaserve.errors import DeltaserveError, ModelLoadError
 from deltaserve.loader.gguf_file import progress_bar
-from deltaserve.models.layers import linear
+from deltaserve.loader.memory import loading_memory
+from deltaserve.models.layers import Experts, Linear, linear, quantize_q8
 
 
 def build(cls, config_cls, weights_from_gguf, weights_from_hf, ckpt, *, dtype: torch.dtype, device,
@@ -17,7 +18,9 @@ def build(cls, config_cls, weights_from_gguf, weights_from_hf, ckpt, *, dtype: t
     """An instance of model class `cls` from an opened checkpoint: a GGUF file (has `.metadata`) or a
     transformers directory (has `.config`), read by the family's config class and weight functions.
     Parameters whose names end with `keep_fp32` stay float32; the others are stored in `weight_dtype`
-    (default `dtype`, the dtype the activations are computed in)."""
+    (default `dtype`, the dtype the activations are computed in). weight_dtype=torch.int8 stores the matmul
+    weights in Q8_0 form where their values are exactly that (a Q8_0 file's), the others in float16 where
+    that is exact, else float32: no value changes."""
     if getattr(ckpt, "metadata", None) is not None:
         vocab = ckpt.shape("token_embd.weight")[0] if ckpt.has("token_embd.weight") else None
         config = config_cls.from_gguf(ckpt.metadata, str(ckpt.path), vocab_size=vocab,
@@ -27,21 +30,33 @@ def build(cls, config_cls, weights_from_gguf, weights_from_hf, ckpt, *, dtype: t
         config = config_cls.from_hf(ckpt.config, str(ckpt.path))
         weights = weights_from_hf(ckpt, config)
     with torch.device("meta"):
-        model = cls(config)
+        model = cls(config).requires_grad_(False)  # before loading: int8 weights cannot require gradients
     stored = weight_dtype or dtype
     keep = {name for name, _ in model.named_parameters() if name.endswith(keep_fp32)}
+    q8 = set()
+    if stored == torch.int8:  # only weights that linear() / embed_tokens() read may take the Q8_0 form
+        stored = torch.float16
+        q8 = ({f"{m}.weight" for m, mod in model.named_modules() if isinstance(mod, Linear)} | {"embed.weight"}
+              | {f"{m}.{w}" for m, mod in model.named_modules() if isinstance(mod, Experts) for w in ("gate_up", "down")})
+        q8 -= keep
     params = {}
     total = sum(p.numel() * (4 if n in keep else stored.itemsize) for n, p in model.named_parameters())
-    with progress_bar(total, f"loading {Path(ckpt.path).name}") as bar:
+    with progress_bar(total, f"loading {Path(ckpt.path).name}") as bar, loading_memory():
         for name, t in weights:  # one tensor at a time: the file's copy is never held whole
-            params[name] = t.to(device=device, dtype=torch.float32 if name in keep else stored)
-            bar.update(params[name].nbytes)
+            packed = quantize_q8(t) if name in q8 and torch.device(device).type == "cpu" else None
+            if packed is not None:
+                params[name] = packed
+            elif name in keep or (q8 and not torch.equal(t.to(stored).to(t.dtype), t)):
+                params[name] = t.to(device=device, dtype=torch.float32)  # Q8_0 mode changes no value
+            else:
+                params[name] = t.to(device=device, dtype=stored)
+            bar.update(params[name].numel() * (4 if name in keep else stored.itemsize))
     missing = sorted(set(dict(model.named_parameters())) - set(params))
     if missing:  # a bug in the weight functions, not in the file
         raise ModelLoadError(ckpt.path, f"internal weights not produced: {missing[:5]}")
     model.load_state_dict(params, assign=True)
     model.compute_dtype = dtype
-    return model.requires_grad_(False).eval()
+    return model.eval()
 
 
 def lm_logits(model, h: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from torch import nn
 
 from deltaserve.cache.state import HybridState, Snapshots
 from deltaserve.models.config import KimiConfig
-from deltaserve.models.layers import MLP, Linear, RMSNorm, SigmoidMoE, cached_attention
+from deltaserve.models.layers import MLP, Linear, RMSNorm, SigmoidMoE, cached_attention, embed_tokens
 from deltaserve.models.common import build, check_batch, fetch, lm_logits
 from deltaserve.models.qwen import conv_tape
 from deltaserve.ops import causal_conv1d, gated_delta_rule
@@ -173,7 +173,7 @@ class KimiModel(nn.Module):
         start = state.lengths[slots]  # [N] tokens already in each slot
         snaps = Snapshots(slots.tolist(), (start + T).tolist(), T, snapshots, [None] * len(self.layers),
                           [None] * len(self.layers)) if snapshots else None
-        h = self.embed(input_ids).to(self.compute_dtype)
+        h = embed_tokens(self.embed.weight, input_ids, self.compute_dtype)
         for i, layer in enumerate(self.layers):
             x = layer.input_norm(h)
             if layer.recurrent and snaps is not None:

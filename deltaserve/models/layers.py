@@ -14,24 +14,75 @@ from torch import nn
 
 from deltaserve.ops import fused
 
-# Up to this many rows a float16 weight goes through the fused kernel (decode: the weight streams from
-# memory once and is widened in registers); above it a float32 GEMM on the widened weight is faster.
+# Up to this many rows a float16 or Q8_0 weight goes through a fused kernel (decode: the weight streams
+# from memory once and is widened in registers); above it a float32 GEMM on the widened weight is faster.
 _GEMV_ROWS = 16
+Q8_BLOCK = 32  # weights per scale in a Q8_0 row
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) in x's dtype, whatever dtype the weight is stored in. Float16 weights keep half
-    the memory and bandwidth of float32 ones while the activations, and so the result, stay float32."""
+    """x @ weight.T (+ bias) in x's dtype, whatever form the weight is stored in: x's dtype, float16 or Q8_0
+    (int8 with a `.scale`, see quantize_q8). The smaller forms keep a half or a quarter of the memory and
+    bandwidth of float32 ones while the activations, and so the result, stay float32."""
     if weight.dtype == x.dtype:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    if (weight.dtype == torch.float16 and x.dtype == torch.float32 and rows.shape[0] <= _GEMV_ROWS
+    if (weight.dtype in (torch.float16, torch.int8) and x.dtype == torch.float32 and rows.shape[0] <= _GEMV_ROWS
             and x.device.type == "cpu" and fused.available()):
         y = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
-        fused.extension().linear_f16(rows.contiguous(), weight.contiguous(), y)
+        if weight.dtype == torch.int8:
+            fused.extension().linear_q8(rows.contiguous(), weight, weight.scale, y)
+        else:
+            fused.extension().linear_f16(rows.contiguous(), weight.contiguous(), y)
         y = y.view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias.to(y.dtype)
-    return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    return F.linear(x, dequantize(weight, x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight's values in `dtype`, whatever form it is stored in."""
+    if weight.dtype != torch.int8:
+        return weight.to(dtype)
+    N, K = weight.shape
+    blocks = weight.view(N, K // Q8_BLOCK, Q8_BLOCK).to(dtype) * weight.scale.to(dtype)[..., None]
+    return blocks.view(N, K)
+
+
+def embed_tokens(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of an embedding table stored in any form linear() takes, in `dtype`. [..., E]"""
+    if weight.dtype != torch.int8:
+        return F.embedding(ids, weight).to(dtype)
+    rows = F.embedding(ids, weight).to(dtype)  # [..., E]
+    scale = F.embedding(ids, weight.scale).to(dtype)  # [..., E / 32]
+    return (rows.unflatten(-1, (-1, Q8_BLOCK)) * scale[..., None]).flatten(-2)
+
+
+def quantize_q8(w: torch.Tensor, rows_per_pass: int = 8192) -> nn.Parameter | None:
+    """w [..., N, K] float32 in Q8_0 form when it holds exactly such values, as the weights of a Q8_0 file
+    do once dequantised: an int8 parameter [..., N, K] carrying `.scale`, float16 [..., N, K / 32], with
+    w[n, k] == scale[n, k // 32] * q[n, k]. None when any block is not exactly that (the caller then keeps
+    another dtype), so storing a weight this way never changes its values."""
+    if w.dim() < 2 or w.dtype != torch.float32 or w.shape[-1] % Q8_BLOCK:
+        return None
+    *shape, K = w.shape
+    w = w.reshape(-1, K)
+    N = w.shape[0]
+    q = torch.empty(N, K, dtype=torch.int8)
+    scale = torch.empty(N, K // Q8_BLOCK, dtype=torch.float16)
+    for r in range(0, N, rows_per_pass):  # in slices: a float32 temporary the size of w would double the peak
+        blocks = w[r:r + rows_per_pass].reshape(-1, K // Q8_BLOCK, Q8_BLOCK)
+        d = blocks.abs().amax(-1) / 127  # the largest weight of a Q8_0 block is +-127 * its scale
+        d16 = d.to(torch.float16)
+        if not torch.equal(d16.float(), d):
+            return None
+        qf = torch.round(blocks / torch.where(d > 0, d, 1.0)[..., None])
+        if not torch.equal(qf * d[..., None], blocks):
+            return None
+        q[r:r + rows_per_pass] = qf.reshape(-1, K).to(torch.int8)
+        scale[r:r + rows_per_pass] = d16
+    param = nn.Parameter(q.view(*shape, K), requires_grad=False)
+    param.scale = scale.view(*shape, K // Q8_BLOCK)
+    return param
 
 
 class Linear(nn.Linear):
@@ -168,6 +219,14 @@ def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.T
     return weights, ids
 
 
+def expert(weights: torch.Tensor, e: int) -> torch.Tensor:
+    """Matrix e of stacked expert weights [n, N, K], in the same form (a Q8_0 matrix keeps its scales)."""
+    w = weights[e]
+    if weights.dtype == torch.int8:
+        w.scale = weights.scale[e]
+    return w
+
+
 class Experts(nn.Module):
     """n SwiGLU experts as stacked matrices: gate_up [n, 2I, hidden] (gate rows first), down [n, hidden, I]."""
 
@@ -189,8 +248,8 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             rows = tokens[begin:begin + count]
-            gate, up = linear(x[rows], self.gate_up[e]).chunk(2, dim=-1)
-            y = linear(F.silu(gate) * up, self.down[e])
+            gate, up = linear(x[rows], expert(self.gate_up, e)).chunk(2, dim=-1)
+            y = linear(F.silu(gate) * up, expert(self.down, e))
             out.index_add_(0, rows, y.float() * weights.flatten()[order[begin:begin + count], None])
             begin += count
         return out.to(x.dtype)

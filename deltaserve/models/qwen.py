@@ -17,7 +17,8 @@ from torch import nn
 from deltaserve.cache.state import HybridState, Snapshots
 from deltaserve.models.common import build, check_batch, check_ids, fetch, lm_logits
 from deltaserve.models.config import QwenConfig
-from deltaserve.models.layers import MLP, GatedAttention, Linear, RMSNorm, RotaryEmbedding, SparseMoE
+from deltaserve.models.layers import (MLP, GatedAttention, Linear, RMSNorm, RotaryEmbedding, SparseMoE,
+                                      embed_tokens)
 from deltaserve.ops import causal_conv1d, gated_delta_rule
 
 
@@ -150,7 +151,7 @@ class QwenModel(nn.Module):
     def _trunk(self, input_ids, positions, state: HybridState | None, slots, start, logits: str,
                snaps: Snapshots | None = None) -> torch.Tensor:
         cos, sin = self.rotary(positions)
-        h = self.embed(input_ids).to(self.compute_dtype)
+        h = embed_tokens(self.embed.weight, input_ids, self.compute_dtype)
         for i, layer in enumerate(self.layers):
             x = layer.input_norm(h)
             if layer.recurrent and snaps is not None:

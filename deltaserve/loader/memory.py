@@ -1,0 +1,37 @@
+"""What the C allocator keeps of the temporaries freed while a checkpoint loads."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+_GLIBC_MAX_MMAP_THRESHOLD = 32 << 20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+
+
+@contextlib.contextmanager
+def loading_memory():
+    """While weights load, every tensor passes through a float32 temporary (dequantised before it is stored
+    in 16 or 8 bits). glibc raises its mmap threshold to the size of the first large block freed, after
+    which temporaries below 32 MB come from the heap and stay resident once freed: up to 0.7 GB more peak
+    memory for a 0.8B model, varying run to run. Inside this context blocks from 1 MB go through mmap and
+    back to the system when freed; after it the threshold is glibc's maximum (the activations of a run reuse
+    heap blocks, no page faults), and freed heap pages are returned. Elsewhere than glibc: no effect."""
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    try:
+        yield
+    finally:
+        if libc is not None:
+            libc.mallopt(_M_MMAP_THRESHOLD, _GLIBC_MAX_MMAP_THRESHOLD)
+            libc.malloc_trim(0)
+
+
+def _glibc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None

@@ -1,0 +1,77 @@
+"""Q8_0-stored weights (int8 + a float16 scale per 32) with float32 activations: the same numbers as float32
+weights holding the same values, checked against gguf-py's own Q8_0 blocks."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants as gguf_quants
+
+from deltaserve.engine.llm import LLM
+from deltaserve.models.layers import Linear, dequantize, embed_tokens, linear, quantize_q8
+from deltaserve.models.make import make_model
+
+
+def q8_values(N, K, seed=0):
+    """float32 [N, K] holding exactly Q8_0 values, and gguf-py's blocks of them (f16 scale + 32 int8 each)."""
+    x = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32)
+    x[1, :32] = 0  # an all-zero block: scale 0
+    raw = gguf_quants.quantize(x, Q.Q8_0)
+    w = gguf_quants.dequantize(raw, Q.Q8_0)
+    return torch.from_numpy(w.copy()), raw.reshape(N, K // 32, 34)
+
+
+def test_q8_form_is_gguf_blocks():
+    w, blocks = q8_values(37, 96)
+    p = quantize_q8(w, rows_per_pass=10)  # several slices
+    assert p is not None and p.dtype == torch.int8 and p.scale.dtype == torch.float16
+    scales = blocks[..., :2].copy().view(np.float16)[..., 0]
+    values = blocks[..., 2:].copy().view(np.int8).reshape(37, 96)
+    np.testing.assert_array_equal(p.scale.numpy(), scales)
+    np.testing.assert_array_equal(p.numpy(), values)
+    assert torch.equal(dequantize(p, torch.float32), w)
+
+
+@pytest.mark.parametrize("case", ["float16_values", "row_not_blocks", "nan"])
+def test_values_not_in_q8_form_are_refused(case):
+    w, _ = q8_values(8, 64)
+    if case == "float16_values":
+        w = torch.randn(8, 64).half().float()
+    elif case == "row_not_blocks":
+        w = w[:, :48].contiguous()
+    else:
+        w[3, 5] = float("nan")
+    assert quantize_q8(w) is None
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40], ids=lambda r: f"rows{r}")  # the kernel up to 16, then GEMM
+def test_linear_with_q8_weight_matches_float64(rows):
+    w, _ = q8_values(37, 96, seed=1)
+    p, bias = quantize_q8(w), torch.randn(37)
+    x = torch.randn(2, rows, 96)
+    expected = (x.double() @ w.double().T + bias.double()).float()
+    torch.testing.assert_close(linear(x, p, bias), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_embedding_rows_of_a_q8_table():
+    w, _ = q8_values(50, 64, seed=2)
+    ids = torch.tensor([[3, 1, 49], [0, 3, 7]])
+    assert torch.equal(embed_tokens(quantize_q8(w), ids, torch.float32), w[ids])
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "qwen3next", "kimi-linear"])
+def test_q8_storage_matches_f32_storage(arch, tmp_path):
+    path = tmp_path / f"{arch}.gguf"
+    make_model(arch, "tiny", "q8_0", path, seed=3)
+    q8 = LLM(path, max_len=128)  # a Q8_0 file keeps its Q8_0 weights as they are by default
+    f32 = LLM(path, max_len=128, weight_dtype=torch.float32)
+    linears = [m.weight for m in q8.model.modules() if isinstance(m, Linear)]
+    assert q8.model.embed.weight.dtype == torch.int8 and sum(w.dtype == torch.int8 for w in linears) > len(linears) // 2
+    ids = q8.tokenizer.encode("The weights are stored in eight bits, the sums are not.")
+    torch.testing.assert_close(q8.score(ids), f32.score(ids), rtol=1e-5, atol=1e-5)  # prefill: dequantised GEMM
+    a = q8.generate(ids, max_tokens=16, temperature=0, ignore_eos=True)  # decode: the Q8_0 GEMV kernel
+    b = f32.generate(ids, max_tokens=16, temperature=0, ignore_eos=True)
+    assert a.token_ids == b.token_ids
+    step8 = q8.runner.forward([0], [[a.token_ids[-1]]])
+    step32 = f32.runner.forward([0], [[b.token_ids[-1]]])
+    torch.testing.assert_close(step8, step32, rtol=1e-4, atol=1e-4)
