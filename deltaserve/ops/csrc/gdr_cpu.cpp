@@ -354,6 +354,10 @@ void conv_forward(torch::Tensor x, torch::Tensor weight_t, torch::Tensor bias, t
   });
 }
 
+// The GEMVs below prefetch the weight stream this many bytes ahead: the hardware prefetchers alone
+// reach 15-19 GB/s here, with this 24-26 GB/s (streaming 0.8B weights, 2 threads).
+constexpr int64_t kGemvPrefetch = 4096;
+
 // y [M, N] = x [M, K] (float32) @ w [N, K]^T (float16), accumulated in float32. For decode (M = a few
 // sequences) the weights stream from memory once, converted to float32 in registers: the activations are
 // never rounded to float16, so the result equals a float32 matmul with the float16 weights.
@@ -371,14 +375,23 @@ void linear_f16(torch::Tensor x, torch::Tensor w, torch::Tensor y) {
         float sums[MB] = {0.f};
         int64_t k = 0;
 #if defined(__AVX512F__)
-        __m512 acc[MB];
-        for (int64_t m = 0; m < mb; ++m) acc[m] = _mm512_setzero_ps();
+        __m512 acc[MB], acc2[MB];
+        for (int64_t m = 0; m < mb; ++m) acc[m] = acc2[m] = _mm512_setzero_ps();
+        for (; k + 32 <= K; k += 32) {
+          _mm_prefetch(reinterpret_cast<const char*>(wr + k) + kGemvPrefetch, _MM_HINT_T0);
+          const __m512 wv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k)));
+          const __m512 wv2 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k + 16)));
+          for (int64_t m = 0; m < mb; ++m) {
+            acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xp + (m0 + m) * K + k), acc[m]);
+            acc2[m] = _mm512_fmadd_ps(wv2, _mm512_loadu_ps(xp + (m0 + m) * K + k + 16), acc2[m]);
+          }
+        }
         for (; k + 16 <= K; k += 16) {
           const __m512 wv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k)));
           for (int64_t m = 0; m < mb; ++m)
             acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xp + (m0 + m) * K + k), acc[m]);
         }
-        for (int64_t m = 0; m < mb; ++m) sums[m] = _mm512_reduce_add_ps(acc[m]);
+        for (int64_t m = 0; m < mb; ++m) sums[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], acc2[m]));
 #endif
         for (; k < K; ++k) {
           const float wk = static_cast<float>(c10::Half(wr[k], c10::Half::from_bits()));
@@ -409,20 +422,22 @@ void linear_q8(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor 
         const int64_t mb = std::min(MB, M - m0);
         float sums[MB] = {0.f};
 #if defined(__AVX512F__)
-        __m512 acc[MB];
-        for (int64_t m = 0; m < mb; ++m) acc[m] = _mm512_setzero_ps();
+        __m512 acc[MB], acc2[MB];
+        for (int64_t m = 0; m < mb; ++m) acc[m] = acc2[m] = _mm512_setzero_ps();
         for (int64_t b = 0; b < B; ++b) {
           const int64_t k = b * 32;
+          _mm_prefetch(reinterpret_cast<const char*>(qr + k) + kGemvPrefetch, _MM_HINT_T0);
           const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + k))));
           const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + k + 16))));
           const __m512 db = _mm512_set1_ps(static_cast<float>(dr[b]));
           for (int64_t m = 0; m < mb; ++m) {
             const float* xr = xp + (m0 + m) * K + k;
             const __m512 p = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xr)));
-            acc[m] = _mm512_fmadd_ps(p, db, acc[m]);
+            if (b & 1) acc2[m] = _mm512_fmadd_ps(p, db, acc2[m]);
+            else acc[m] = _mm512_fmadd_ps(p, db, acc[m]);
           }
         }
-        for (int64_t m = 0; m < mb; ++m) sums[m] = _mm512_reduce_add_ps(acc[m]);
+        for (int64_t m = 0; m < mb; ++m) sums[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], acc2[m]));
 #else
         for (int64_t b = 0; b < B; ++b) {
           const float db = static_cast<float>(dr[b]);
