@@ -143,10 +143,11 @@ class KimiModel(nn.Module):
     def from_checkpoint(cls, ckpt, dtype: torch.dtype = torch.float32, device="cpu",
                         weight_dtype: torch.dtype | None = None) -> KimiModel:
         """Build from an opened checkpoint: a GGUF file (has `.metadata`) or a transformers directory
-        (has `.config`). Norms, A, dt_bias and the routers stay float32; every other weight is stored in
+        (has `.config`). Norms, A, dt_bias, the conv and the routers stay float32; every other weight is stored in
         `weight_dtype` (default: `dtype`, the dtype the activations are computed in)."""
         return build(cls, KimiConfig, _weights_from_gguf, _weights_from_hf, ckpt, dtype=dtype, device=device,
-                     weight_dtype=weight_dtype, keep_fp32=("norm.weight", ".A", ".dt_bias", "router.weight", "expert_bias"))
+                     weight_dtype=weight_dtype,
+                     keep_fp32=("norm.weight", ".A", ".dt_bias", "conv_weight", "router.weight", "expert_bias"))
 
     def new_state(self, n_slots: int, max_len: int) -> HybridState:
         """Per slot: KDA conv rows [q | k | v] and delta-rule states; MLA rows [c | k_pe] in `k`. `v` has

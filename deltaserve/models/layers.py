@@ -147,12 +147,18 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     k_cache[slots[:, None], pos] = k.to(k_cache.dtype)
     v_cache[slots[:, None], pos] = v.to(v_cache.dtype)
     span = int(start.max()) + T  # keys beyond the longest sequence are never visible
-    keys = k_cache[slots, :span].transpose(1, 2)  # [N, nkv, S, dk]
-    values = v_cache[slots, :span].transpose(1, 2)  # [N, nkv, S, dv]
-    visible = torch.arange(span, device=q.device) <= pos[:, :, None]  # [N, T, S]: causal, own slot only
+    if N == 1:  # one sequence (decode of a single stream): its cache row as a view, no gather
+        row = int(slots[0])
+        keys, values = k_cache[row:row + 1, :span].transpose(1, 2), v_cache[row:row + 1, :span].transpose(1, 2)
+    else:
+        keys = k_cache[slots, :span].transpose(1, 2)  # [N, nkv, S, dk]
+        values = v_cache[slots, :span].transpose(1, 2)  # [N, nkv, S, dv]
     # Fold each kv head's query group into the query axis so the cache is read once per kv head.
     q = q.view(N, T, nkv, group, dk).permute(0, 2, 3, 1, 4).reshape(N, nkv, group * T, dk)
-    mask = visible[:, None, None].expand(N, 1, group, T, span).reshape(N, 1, group * T, span)
+    mask = None  # one token of one sequence sees its whole span
+    if N > 1 or T > 1:
+        visible = torch.arange(span, device=q.device) <= pos[:, :, None]  # [N, T, S]: causal, own slot only
+        mask = visible[:, None, None].expand(N, 1, group, T, span).reshape(N, 1, group * T, span)
     o = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale)
     return o.view(N, nkv, group, T, dv).permute(0, 3, 1, 2, 4).reshape(N, T, nh, dv)
 

@@ -106,10 +106,10 @@ class QwenModel(nn.Module):
     def from_checkpoint(cls, ckpt, dtype: torch.dtype = torch.float32, device="cpu",
                         weight_dtype: torch.dtype | None = None) -> QwenModel:
         """Build from an opened checkpoint: a GGUF file (has `.metadata`) or a transformers directory
-        (has `.config`). Norms, A and dt_bias stay float32; every other weight is stored in
+        (has `.config`). Norms, A, dt_bias and the conv stay float32; every other weight is stored in
         `weight_dtype` (default: `dtype`, the dtype the activations are computed in)."""
         return build(cls, QwenConfig, _weights_from_gguf, _weights_from_hf, ckpt, dtype=dtype, device=device,
-                     weight_dtype=weight_dtype, keep_fp32=("norm.weight", ".A", ".dt_bias"))
+                     weight_dtype=weight_dtype, keep_fp32=("norm.weight", ".A", ".dt_bias", "conv_weight"))
 
     def new_state(self, n_slots: int, max_len: int) -> HybridState:
         cfg, p = self.config, self.embed.weight
