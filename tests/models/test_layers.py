@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from deltaserve.models.layers import Experts, RMSNorm, RotaryEmbedding, apply_rotary, cached_attention, softmax_topk
@@ -16,14 +17,19 @@ def randn(*shape):
     return torch.randn(shape, generator=GEN)
 
 
-def test_rmsnorm():
-    norm = RMSNorm(7, eps=1e-5)
+@pytest.mark.parametrize("case", ["fused", "strided", "autograd"])
+def test_rmsnorm(case):
+    """Inference on contiguous float32 rows takes the fused C++ kernel; the rest the torch expression."""
+    norm = RMSNorm(37, eps=1e-5)
     with torch.no_grad():
-        norm.weight.copy_(randn(7))
-    x = randn(3, 7)
+        norm.weight.copy_(randn(37))
+    x = randn(2, 3, 37) if case != "strided" else randn(2, 3, 50)[..., :37]
     x64 = x.double()
     expected = x64 / torch.sqrt((x64 ** 2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
-    assert torch.allclose(norm(x).double(), expected, atol=1e-6)
+    with torch.set_grad_enabled(case == "autograd"):
+        out = norm(x)
+    assert out.requires_grad == (case == "autograd")
+    assert torch.allclose(out.double(), expected, atol=1e-6)
     assert norm(x.bfloat16()).dtype == torch.bfloat16
 
 
@@ -44,15 +50,18 @@ def test_partial_rotary_rotates_channel_pairs():
     assert torch.equal(out[..., rot:], x[..., rot:])
 
 
-def test_cached_attention_against_naive_loop():
-    n_slots, max_len, nh, nkv, dk, dv, T = 3, 12, 6, 2, 5, 3, 4
+@pytest.mark.parametrize("slots, start, T", [([2, 0], [5, 0], 4), ([2], [5], 1), ([1], [3], 3)],
+                         ids=["two_sequences", "one_token_decode", "one_sequence_chunk"])
+def test_cached_attention_against_naive_loop(slots, start, T):
+    n_slots, max_len, nh, nkv, dk, dv = 3, 12, 6, 2, 5, 3
     k_cache, v_cache = randn(n_slots, max_len, nkv, dk), randn(n_slots, max_len, nkv, dv)
     before_k, before_v = k_cache.clone(), v_cache.clone()
-    slots, start = torch.tensor([2, 0]), torch.tensor([5, 0])
-    q, k, v = randn(2, T, nh, dk), randn(2, T, nkv, dk), randn(2, T, nkv, dv)
+    slots, start = torch.tensor(slots), torch.tensor(start)
+    N = len(slots)
+    q, k, v = randn(N, T, nh, dk), randn(N, T, nkv, dk), randn(N, T, nkv, dv)
     out = cached_attention(q, k, v, k_cache, v_cache, slots, start, scale=0.7)
 
-    for n in range(2):
+    for n in range(N):
         s, p0 = slots[n].item(), start[n].item()
         keys = torch.cat([before_k[s, :p0], k[n]]).double()  # what the slot holds after the write
         values = torch.cat([before_v[s, :p0], v[n]]).double()
@@ -63,7 +72,8 @@ def test_cached_attention_against_naive_loop():
                 scores = keys[:p0 + t + 1, kv] @ q[n, t, h].double() * 0.7
                 expected = scores.softmax(0) @ values[:p0 + t + 1, kv]
                 assert torch.allclose(out[n, t, h].double(), expected, atol=1e-5)
-    assert torch.equal(k_cache[1], before_k[1]) and torch.equal(v_cache[1], before_v[1])
+    untouched = [r for r in range(n_slots) if r not in slots.tolist()]
+    assert all(torch.equal(k_cache[r], before_k[r]) and torch.equal(v_cache[r], before_v[r]) for r in untouched)
 
 
 def test_router_and_experts_against_per_token_loop():
