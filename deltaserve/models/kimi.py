@@ -159,7 +159,7 @@ class KimiModel(nn.Module):
             k=(1, cfg.kv_lora_rank + cfg.qk_rope_head_dim), v=(1, 0), dtype=self.compute_dtype,
             device=p.device)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, state: HybridState, slots, logits: str = "last",
                 snapshots: int = 0) -> torch.Tensor:
         """Continue N sequences by T tokens each. input_ids [N, T]; slots [N] rows of `state`.

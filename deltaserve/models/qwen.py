@@ -135,7 +135,7 @@ class QwenModel(nn.Module):
             N, T = input_ids.shape
             positions = torch.arange(T, device=input_ids.device).expand(N, T)
             return self._trunk(input_ids, positions, None, None, None, "all")
-        with torch.no_grad():
+        with torch.inference_mode():
             input_ids, slots = check_batch(self, input_ids, state, slots, logits)
             start = state.lengths[slots]  # [N] tokens already in each slot
             T = input_ids.shape[1]
