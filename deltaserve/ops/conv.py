@@ -71,7 +71,7 @@ def causal_conv1d(x, weight, bias=None, *, conv_state=None, reset=None, cu_seqle
         y = torch.empty(B * T, Ch, dtype=dtype)
         idx = state_indices if direct and state_indices is not None else fused.EMPTY_I64
         fused.extension().conv_forward(x.reshape(B * T, Ch).to(dtype).contiguous(),
-                                       weight.t().to(dtype).contiguous(),
+                                       weight.to(dtype).contiguous(),
                                        fused.EMPTY_F32 if bias is None else bias.to(dtype).contiguous(), state,
                                        cu, idx, y, activation == "silu")
         y, new_state = y.view(B, T, Ch), state

@@ -307,14 +307,15 @@ void gdr_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tenso
   }
 }
 
-// Short causal depthwise conv with its state. x [T, C]; weight_t [W, C] (tap-major, so the channel loop is
-// contiguous); bias [C] or empty; state [S, W-1, C] (in/out, the last W-1 inputs, oldest first);
-// cu_seqlens [N + 1]; state_idx [N] or empty; out [T, C]. Threads over (sequence, block of channels).
-void conv_forward(torch::Tensor x, torch::Tensor weight_t, torch::Tensor bias, torch::Tensor state,
+// Short causal depthwise conv with its state. x [T, C]; weight [C, W]; bias [C] or empty; state [S, W-1, C]
+// (in/out, the last W-1 inputs, oldest first); cu_seqlens [N + 1]; state_idx [N] or empty; out [T, C].
+// Threads over (sequence, block of channels); each task first lays its block of the weight out tap-major,
+// so the channel loops are contiguous (a transposed copy in torch cost more than a decode step's conv).
+void conv_forward(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor state,
                   torch::Tensor cu_seqlens, torch::Tensor state_idx, torch::Tensor out, bool silu) {
-  const int64_t C = x.size(1), W = weight_t.size(0), N = cu_seqlens.size(0) - 1;
+  const int64_t C = x.size(1), W = weight.size(1), N = cu_seqlens.size(0) - 1;
   const float* xp = x.data_ptr<float>();
-  const float* wp = weight_t.data_ptr<float>();
+  const float* wsrc = weight.data_ptr<float>();
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   float* sp = state.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -323,20 +324,22 @@ void conv_forward(torch::Tensor x, torch::Tensor weight_t, torch::Tensor bias, t
   constexpr int64_t CB = 256;
   const int64_t blocks = (C + CB - 1) / CB;
   at::parallel_for(0, N * blocks, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> hist((W - 1) * CB);
+    std::vector<float> hist((W - 1) * CB), wt(W * CB);
     alignas(64) float y[CB];
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t n = task / blocks, c0 = (task % blocks) * CB, cb = std::min(CB, C - c0);
+      for (int64_t c = 0; c < cb; ++c)
+        for (int64_t w = 0; w < W; ++w) wt[w * CB + c] = wsrc[(c0 + c) * W + w];
       float* st = sp + (idx ? idx[n] : n) * (W - 1) * C + c0;
       for (int64_t w = 0; w < W - 1; ++w)
         for (int64_t c = 0; c < cb; ++c) hist[w * CB + c] = st[w * C + c];
       for (int64_t t = cu[n]; t < cu[n + 1]; ++t) {
         const float* xt = xp + t * C + c0;
-        const float* wl = wp + (W - 1) * C + c0;
+        const float* wl = wt.data() + (W - 1) * CB;
 #pragma omp simd
         for (int64_t c = 0; c < cb; ++c) y[c] = (bp ? bp[c0 + c] : 0.f) + wl[c] * xt[c];
         for (int64_t w = 0; w < W - 1; ++w) {
-          const float* ww = wp + w * C + c0;
+          const float* ww = wt.data() + w * CB;
           const float* hw = hist.data() + w * CB;
 #pragma omp simd
           for (int64_t c = 0; c < cb; ++c) y[c] += ww[c] * hw[c];
