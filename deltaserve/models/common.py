@@ -33,21 +33,21 @@ def build(cls, config_cls, weights_from_gguf, weights_from_hf, ckpt, *, dtype: t
         model = cls(config).requires_grad_(False)  # before loading: int8 weights cannot require gradients
     stored = weight_dtype or dtype
     keep = {name for name, _ in model.named_parameters() if name.endswith(keep_fp32)}
-    q8 = set()
-    if stored == torch.int8:  # only weights that linear() / embed_tokens() read may take the Q8_0 form
+    q8, exact = set(), stored == torch.int8  # Q8_0 mode: no value may change
+    if exact:  # only weights that linear() / embed_tokens() read may take the Q8_0 form
         stored = torch.float16
         q8 = ({f"{m}.weight" for m, mod in model.named_modules() if isinstance(mod, Linear)} | {"embed.weight"}
               | {f"{m}.{w}" for m, mod in model.named_modules() if isinstance(mod, Experts) for w in ("gate_up", "down")})
-        q8 -= keep
+        q8 = q8 - keep if torch.device(device).type == "cpu" else set()  # the Q8_0 kernels are CPU ones
     params = {}
     total = sum(p.numel() * (4 if n in keep else stored.itemsize) for n, p in model.named_parameters())
     with progress_bar(total, f"loading {Path(ckpt.path).name}") as bar, loading_memory():
         for name, t in weights:  # one tensor at a time: the file's copy is never held whole
-            packed = quantize_q8(t) if name in q8 and torch.device(device).type == "cpu" else None
+            packed = quantize_q8(t) if name in q8 else None
             if packed is not None:
                 params[name] = packed
-            elif name in keep or (q8 and not torch.equal(t.to(stored).to(t.dtype), t)):
-                params[name] = t.to(device=device, dtype=torch.float32)  # Q8_0 mode changes no value
+            elif name in keep or (exact and not torch.equal(t.to(stored).to(t.dtype), t)):
+                params[name] = t.to(device=device, dtype=torch.float32)
             else:
                 params[name] = t.to(device=device, dtype=stored)
             bar.update(params[name].numel() * (4 if name in keep else stored.itemsize))

@@ -50,9 +50,9 @@ def dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def embed_tokens(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` of an embedding table stored in any form linear() takes, in `dtype`. [..., E]"""
-    if weight.dtype != torch.int8:
-        return F.embedding(ids, weight).to(dtype)
     rows = F.embedding(ids, weight).to(dtype)  # [..., E]
+    if weight.dtype != torch.int8:
+        return rows
     scale = F.embedding(ids, weight.scale).to(dtype)  # [..., E / 32]
     return (rows.unflatten(-1, (-1, Q8_BLOCK)) * scale[..., None]).flatten(-2)
 

@@ -103,7 +103,7 @@ void run_task(const Args& a, int64_t w0, int64_t w1, int64_t n, int64_t hv, int6
   const float* const bt = a.beta + hv * a.W - w0;
   thread_local std::vector<float> buf;  // reused across calls: no allocation in the decode loop
   if (buf.size() < static_cast<size_t>(4 * K)) buf.resize(4 * K);
-  float* __restrict__ c = buf.data();  // deferred decay of each stored row (all equal unless PC)
+  float* __restrict__ c = buf.data();  // deferred decay of each stored row (unless PC, c[0] holds it for all)
   float* __restrict__ cu = c + K;      // per-row coefficients of the sweep: update, read-out, next key
   float* __restrict__ cq = cu + K;
   float* __restrict__ cw = cq + K;
@@ -153,7 +153,7 @@ void run_task(const Args& a, int64_t w0, int64_t w1, int64_t n, int64_t hv, int6
     const float *kt = kn + t * K, *qt = qn + t * K, *et = e + t * es;
     if (t + 1 == t1) {  // the decay applied to the stored rows: S[i] = c[i] e[i] S[i] + k[i] u
       for (int64_t i = 0; i < K; ++i) {
-        const float mi = c[i] * et[PC ? i : 0], ki = kt[i], qi = qt[i];
+        const float mi = c[PC ? i : 0] * et[PC ? i : 0], ki = kt[i], qi = qt[i];
         float* __restrict__ Si = S + i * ld;
 #pragma omp simd
         for (int64_t j = 0; j < vb; ++j) {
@@ -210,7 +210,6 @@ void run_task(const Args& a, int64_t w0, int64_t w1, int64_t n, int64_t hv, int6
           kv[j] += wi * s;
         }
       }
-      if (!PC) std::fill(c + 1, c + K, c[0]);  // for write_snap
     }
     float* ot = a.out + (t * a.HV + hv) * V + c0;
     for (int64_t j = 0; j < vb; ++j) ot[j] = o[j];
@@ -218,7 +217,7 @@ void run_task(const Args& a, int64_t w0, int64_t w1, int64_t n, int64_t hv, int6
     if (back < a.n_snaps) {
       float* dst = a.snaps + (((n * a.n_snaps + back) * a.HV + hv) * K) * V + c0;
       for (int64_t i = 0; i < K; ++i)
-        for (int64_t j = 0; j < vb; ++j) dst[i * V + j] = c[i] * S[i * ld + j];
+        for (int64_t j = 0; j < vb; ++j) dst[i * V + j] = c[PC ? i : 0] * S[i * ld + j];
     }
   }
   if (copy)

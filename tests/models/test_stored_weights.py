@@ -1,0 +1,32 @@
+"""Weights stored as the file holds them (float16, or Q8_0 as int8 + scales) with float32 activations: the same
+numbers as float32 weights holding the same values, in prefill (widened GEMM) and decode (the C++ GEMVs)."""
+
+import pytest
+import torch
+
+from deltaserve.engine.llm import LLM
+from deltaserve.models.layers import Linear
+from deltaserve.models.make import make_model
+
+
+@pytest.mark.parametrize("file_dtype, stored, text", [
+    ("f16", torch.float16, "The weights are stored in half precision, the sums are not."),
+    ("q8_0", torch.int8, "The weights are stored in eight bits, the sums are not."),
+], ids=["f16", "q8_0"])
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "qwen3next", "kimi-linear"])
+def test_stored_weights_match_f32_storage(arch, file_dtype, stored, text, tmp_path):
+    path = tmp_path / f"{arch}.gguf"
+    make_model(arch, "tiny", file_dtype, path, seed=3)
+    kept = LLM(path, max_len=128)  # by default the weights stay in the file's form
+    f32 = LLM(path, max_len=128, weight_dtype=torch.float32)
+    linears = [m.weight for m in kept.model.modules() if isinstance(m, Linear)]
+    assert kept.model.embed.weight.dtype == stored and f32.model.embed.weight.dtype == torch.float32
+    assert sum(w.dtype == stored for w in linears) > len(linears) // 2
+    ids = kept.tokenizer.encode(text)
+    torch.testing.assert_close(kept.score(ids), f32.score(ids), rtol=1e-5, atol=1e-5)  # prefill
+    a = kept.generate(ids, max_tokens=16, temperature=0, ignore_eos=True)  # decode
+    b = f32.generate(ids, max_tokens=16, temperature=0, ignore_eos=True)
+    assert a.token_ids == b.token_ids
+    step_kept = kept.runner.forward([0], [[a.token_ids[-1]]])
+    step32 = f32.runner.forward([0], [[b.token_ids[-1]]])
+    torch.testing.assert_close(step_kept, step32, rtol=1e-4, atol=1e-4)
