@@ -6,6 +6,8 @@
 Each engine runs in its own worker process (so its peak RSS is its own), alternating, for several
 repetitions. Measured: prefill tokens/s at 512 and 2048 prompt tokens, decode tokens/s (64 greedy tokens
 after a 512-token prompt), peak RSS; the table shows medians and the ratios deltaserve / llama.cpp.
+Both do the same work: llama-cpp-python's Llama keeps no prefix states (without a LlamaCache), so
+deltaserve's prefix checkpoints are off unless --cache-mb gives them a budget.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def _worker_deltaserve(args) -> dict:
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    llm = LLM(args.model, max_len=max(args.prefill + [512]) + args.decode + 8, prefill_chunk=args.batch, dtype=dtype)
+    llm = LLM(args.model, max_len=max(args.prefill + [512]) + args.decode + 8, prefill_chunk=args.batch, dtype=dtype,
+              cache_budget_mb=args.cache_mb)
     vocab = llm.model.config.vocab_size
     runner, out = llm.runner, {}
 
@@ -87,6 +90,7 @@ def _worker_llama(args) -> dict:
 def _run_worker(engine: str, args) -> dict:
     cmd = [sys.executable, "-m", "deltaserve.bench.compare", args.model, "--worker", engine, "--threads",
            str(args.threads), "--batch", str(args.batch), "--decode", str(args.decode), "--dtype", args.dtype,
+           "--cache-mb", str(args.cache_mb),
            "--prefill", *map(str, args.prefill)]
     env = dict(os.environ, DELTASERVE_NO_PROGRESS="1")
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -106,6 +110,9 @@ def main(argv=None):
     p.add_argument("--prefill", type=int, nargs="+", default=[512, 2048], help="prompt lengths (default 512 2048)")
     p.add_argument("--decode", type=int, default=64, help="decode tokens after a 512-token prompt (default 64)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="deltaserve compute dtype")
+    p.add_argument("--cache-mb", type=float, default=0.0,
+                   help="deltaserve's prefix-checkpoint budget (default 0: off, as llama-cpp-python's Llama keeps "
+                        "no prefix states without a LlamaCache, so both engines do the same work)")
     p.add_argument("--json", help="write the results here as JSON")
     p.add_argument("--worker", choices=["deltaserve", "llama.cpp"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)

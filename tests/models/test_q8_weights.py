@@ -1,5 +1,5 @@
 """The Q8_0 form of a weight (int8 + a float16 scale per 32): gguf-py's own blocks, and the same numbers as
-float32 in linear() and embed_tokens(). Whole models stored this way: test_stored_weights.py."""
+float32 in linear() (float16 weights too) and embed_tokens(). Whole models stored this way: test_stored_weights.py."""
 
 import numpy as np
 import pytest
@@ -42,10 +42,18 @@ def test_values_not_in_q8_form_are_refused(case):
     assert quantize_q8(w) is None
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40], ids=lambda r: f"rows{r}")  # the kernel up to 16, then GEMM
-def test_linear_with_q8_weight_matches_float64(rows):
-    w, _ = q8_values(37, 96, seed=1)
-    p, bias = quantize_q8(w), torch.randn(37)
+# the kernels up to 16 activation rows, then a GEMM; over 1024 output rows the GEMM widens blocks of rows
+@pytest.mark.parametrize("out_rows", [37, 2500], ids=lambda n: f"out{n}")
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40], ids=lambda r: f"rows{r}")
+@pytest.mark.parametrize("form", ["q8_0", "float16"])
+def test_linear_with_narrow_weight_matches_float64(form, rows, out_rows):
+    w, _ = q8_values(out_rows, 96, seed=1)
+    if form == "q8_0":
+        p = quantize_q8(w)
+    else:
+        p = w.half()
+        w = p.float()
+    bias = torch.randn(out_rows)
     x = torch.randn(2, rows, 96)
     expected = (x.double() @ w.double().T + bias.double()).float()
     torch.testing.assert_close(linear(x, p, bias), expected, rtol=1e-5, atol=1e-5)
