@@ -1,10 +1,15 @@
-"""What the C allocator keeps of the temporaries freed while a checkpoint loads."""
+"""Where loaded weights live: what the C allocator keeps of the temporaries freed while a checkpoint loads,
+and memory in huge pages for the weights themselves."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import ctypes.util
+import math
+import mmap
+
+import torch
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 _GLIBC_MAX_MMAP_THRESHOLD = 32 << 20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
@@ -35,3 +40,22 @@ def _glibc():
         return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
     except OSError:
         return None
+
+
+_HUGE_MIN_BYTES = 2 << 20  # one huge page
+
+
+def weight_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor for a weight, in memory the kernel may back with 2 MB pages (Linux, THP
+    "always" or "madvise"). Decode streams every weight once a token: with 4 KB pages the float16 GEMVs of a
+    0.8B model's layers reached 16-22 GB/s here, with 2 MB pages 22-25 (fewer TLB misses, and the hardware
+    prefetchers stop at page ends). The memory goes back to the system when the tensor is freed."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < _HUGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory would not take THP
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: pages already faulted in stay small
+    except OSError:
+        pass  # THP off or unsupported: ordinary pages
+    return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)  # keeps buf alive

@@ -9,7 +9,7 @@ import torch
 from deltaserve.cache.state import HybridState
 from deltaserve.errors import DeltaserveError, ModelLoadError
 from deltaserve.loader.gguf_file import progress_bar
-from deltaserve.loader.memory import loading_memory
+from deltaserve.loader.memory import loading_memory, weight_empty
 from deltaserve.models.layers import Experts, Linear, linear, quantize_q8
 
 
@@ -47,9 +47,9 @@ def build(cls, config_cls, weights_from_gguf, weights_from_hf, ckpt, *, dtype: t
             if packed is not None:
                 params[name] = packed
             elif name in keep or (exact and not torch.equal(t.to(stored).to(t.dtype), t)):
-                params[name] = t.to(device=device, dtype=torch.float32)
+                params[name] = _store(t, torch.float32, device)
             else:
-                params[name] = t.to(device=device, dtype=stored)
+                params[name] = _store(t, stored, device)
             bar.update(params[name].numel() * (4 if name in keep else stored.itemsize))
     missing = sorted(set(dict(model.named_parameters())) - set(params))
     if missing:  # a bug in the weight functions, not in the file
@@ -57,6 +57,12 @@ def build(cls, config_cls, weights_from_gguf, weights_from_hf, ckpt, *, dtype: t
     model.load_state_dict(params, assign=True)
     model.compute_dtype = dtype
     return model.eval()
+
+
+def _store(t: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    if torch.device(device).type != "cpu":
+        return t.to(device=device, dtype=dtype)
+    return weight_empty(t.shape, dtype).copy_(t)
 
 
 def lm_logits(model, h: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltaserve.loader.memory import weight_empty
 from deltaserve.ops import fused
 
 # Up to this many rows a float16 or Q8_0 weight goes through a fused kernel (decode: the weight streams
@@ -77,7 +78,7 @@ def quantize_q8(w: torch.Tensor, rows_per_pass: int = 8192) -> nn.Parameter | No
     *shape, K = w.shape
     w = w.reshape(-1, K)
     N = w.shape[0]
-    q = torch.empty(N, K, dtype=torch.int8)
+    q = weight_empty((N, K), torch.int8)
     scale = torch.empty(N, K // Q8_BLOCK, dtype=torch.float16)
     for r in range(0, N, rows_per_pass):  # in slices: a float32 temporary the size of w would double the peak
         blocks = w[r:r + rows_per_pass].reshape(-1, K // Q8_BLOCK, Q8_BLOCK)

@@ -1,0 +1,41 @@
+"""Weights in huge-page memory: ordinary tensors to every op, private to each, returned when freed."""
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltaserve.loader.memory import weight_empty
+
+
+def _anon_huge_kb() -> int | None:
+    try:
+        text = Path("/proc/self/smaps_rollup").read_text()
+    except OSError:
+        return None
+    return int(text.split("AnonHugePages:")[1].split()[0])
+
+
+@pytest.mark.parametrize("shape, dtype", [((3, 5), torch.float32), ((1100, 1024), torch.float16),
+                                          ((4099, 1024), torch.int8)], ids=["small", "f16_2MB", "int8_4MB"])
+def test_weight_memory_holds_values(shape, dtype):
+    src = torch.randint(-100, 100, shape).to(dtype)
+    a, b = weight_empty(shape, dtype).copy_(src), weight_empty(shape, dtype).copy_(src)
+    a[0, 0] = 7  # private memory: b does not see it
+    assert a.shape == shape and a.dtype == dtype and a.is_contiguous()
+    assert torch.equal(b, src) and a[0, 0] == 7 and torch.equal(a.flatten()[1:], src.flatten()[1:])
+    assert torch.equal((a.float() @ torch.ones(shape[1])), a.float().sum(1))  # ops read it like any tensor
+
+
+def test_huge_pages_where_the_kernel_offers_them():
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text() or _anon_huge_kb() is None:
+        pytest.skip("no transparent huge pages on this machine")
+    before = _anon_huge_kb()
+    w = weight_empty((16 << 20,), torch.uint8)
+    w.fill_(1)
+    assert _anon_huge_kb() - before >= 8 << 10  # most of 16 MB in 2 MB pages (the ends may stay small)
+    del w
+    gc.collect()
+    assert _anon_huge_kb() - before < 2 << 10  # returned to the system
