@@ -18,8 +18,9 @@ def torch_reference(history, weight, bias, silu=True):
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("W", [2, 4], ids=lambda w: f"W{w}")
 @pytest.mark.parametrize("T", [1, 2, 3, 37], ids=lambda t: f"T{t}")
-def test_matches_conv1d_with_state(conv_backend, T, W, with_bias):
-    B, C = 2, 13
+@pytest.mark.parametrize("C", [13, 150], ids=lambda c: f"C{c}")  # the one-token kernel works in blocks of 64
+def test_matches_conv1d_with_state(conv_backend, C, T, W, with_bias):
+    B = 2
     x, w, state = torch.randn(B, T, C), torch.randn(C, W), torch.randn(B, W - 1, C)
     bias = torch.randn(C) if with_bias else None
     y, new_state = causal_conv1d(x, w, bias, conv_state=state, backend=conv_backend)
@@ -96,8 +97,9 @@ def test_bad_arguments(kwargs, match):
         causal_conv1d(args.pop("x"), args.pop("weight"), **args)
 
 
-def test_state_indices_update_only_their_slots(conv_backend):
-    x, w = torch.randn(2, 3, 5), torch.randn(5, 4)
+@pytest.mark.parametrize("T", [1, 3], ids=lambda t: f"T{t}")
+def test_state_indices_update_only_their_slots(conv_backend, T):
+    x, w = torch.randn(2, T, 5), torch.randn(5, 4)
     cache = torch.randn(4, 3, 5)
     before = cache.clone()
     slots = torch.tensor([3, 1])

@@ -306,6 +306,40 @@ void gdr_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tenso
   }
 }
 
+// The conv for exactly one token of each of N sequences, kernel width 4: a few microseconds of work, less than waking
+// a second thread or laying the weight out tap-major would cost.
+void conv_step4(const float* xp, const float* wp, const float* bp, float* sp, const int64_t* cu,
+                const int64_t* idx, float* op, int64_t N, int64_t C, bool silu) {
+  constexpr int64_t CB = 64;
+  alignas(64) float y[CB];
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t t = cu[n];
+    float* __restrict__ st = sp + (idx ? idx[n] : n) * 3 * C;
+    for (int64_t c0 = 0; c0 < C; c0 += CB) {
+      const int64_t cb = std::min(CB, C - c0);
+      const float* __restrict__ w = wp + 4 * c0;
+      float *__restrict__ s0 = st + c0, *__restrict__ s1 = s0 + C, *__restrict__ s2 = s1 + C;
+      const float* __restrict__ xt = xp + t * C + c0;
+#pragma omp simd
+      for (int64_t c = 0; c < cb; ++c) {
+        y[c] = w[4 * c] * s0[c] + w[4 * c + 1] * s1[c] + w[4 * c + 2] * s2[c] + w[4 * c + 3] * xt[c];
+        s0[c] = s1[c];
+        s1[c] = s2[c];
+        s2[c] = xt[c];
+      }
+      if (bp)
+        for (int64_t c = 0; c < cb; ++c) y[c] += bp[c0 + c];
+      float* __restrict__ ot = op + t * C + c0;
+      if (silu) {
+#pragma omp simd
+        for (int64_t c = 0; c < cb; ++c) ot[c] = y[c] / (1.f + std::exp(-y[c]));
+      } else {
+        for (int64_t c = 0; c < cb; ++c) ot[c] = y[c];
+      }
+    }
+  }
+}
+
 // Short causal depthwise conv with its state. x [T, C]; weight [C, W]; bias [C] or empty; state [S, W-1, C]
 // (in/out, the last W-1 inputs, oldest first); cu_seqlens [N + 1]; state_idx [N] or empty; out [T, C].
 // Threads over (sequence, block of channels); each task first lays its block of the weight out tap-major,
@@ -320,6 +354,12 @@ void conv_forward(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, tor
   float* op = out.data_ptr<float>();
   const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
   const int64_t* idx = state_idx.numel() ? state_idx.data_ptr<int64_t>() : nullptr;
+  bool one_each = W == 4;
+  for (int64_t n = 0; n < N && one_each; ++n) one_each = cu[n + 1] - cu[n] == 1;
+  if (one_each) {  // one token per sequence (decode): no blocks, no threads
+    conv_step4(xp, wsrc, bp, sp, cu, idx, op, N, C, silu);
+    return;
+  }
   constexpr int64_t CB = 256;
   const int64_t blocks = (C + CB - 1) / CB;
   at::parallel_for(0, N * blocks, 1, [&](int64_t lo, int64_t hi) {
