@@ -70,8 +70,10 @@ def causal_conv1d(x, weight, bias=None, *, conv_state=None, reset=None, cu_seqle
         cu = fused.dense_cu_seqlens(B, T) if cu_seqlens is None else cu_seqlens.to("cpu", torch.int64)
         y = torch.empty(B * T, Ch, dtype=dtype)
         idx = state_indices if direct and state_indices is not None else fused.EMPTY_I64
-        fused.extension().conv_forward(x.reshape(B * T, Ch).to(dtype).contiguous(),
-                                       weight.to(dtype).contiguous(),
+        rows = x.reshape(B * T, Ch)  # tokens may lie any stride apart (a slice of a projection's output)
+        if rows.dtype != dtype or rows.stride(1) != 1:
+            rows = rows.to(dtype).contiguous()
+        fused.extension().conv_forward(rows, weight.to(dtype).contiguous(),
                                        fused.EMPTY_F32 if bias is None else bias.to(dtype).contiguous(), state,
                                        cu, idx, y, activation == "silu")
         y, new_state = y.view(B, T, Ch), state

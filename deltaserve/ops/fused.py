@@ -66,15 +66,24 @@ def fused(q, k, v, g, beta, *, scale, state, cu_seqlens, snapshots, use_qk_l2nor
     if q.device.type != "cpu":
         raise ValueError(f"backend='fused' runs on CPU tensors only, got device {q.device}")
     f32 = torch.float32
+    o = torch.empty(v.shape, dtype=f32)
+    q, k, v = (token_rows(x) for x in (q, k, v))
     # a decode step is ~40 us of kernel: skip every conversion that would be a no-op
-    q, k, v, g, beta = (x if x.dtype == f32 and x.is_contiguous() else x.to(f32).contiguous()
-                        for x in (q, k, v, g, beta))
+    g, beta = (x if x.dtype == f32 and x.is_contiguous() else x.to(f32).contiguous() for x in (g, beta))
     N, (_, HV, K, V) = cu_seqlens.numel() - 1, state.shape
     idx = EMPTY_I64 if state_indices is None else state_indices.contiguous()
     snaps = torch.empty((N, snapshots, HV, K, V), dtype=f32) if snapshots else EMPTY_F32
-    o = torch.empty_like(v)
     extension().gdr_forward(q, k, v, g, beta, state, cu_seqlens, idx, o, snaps, float(scale), bool(use_qk_l2norm))
     return o, state, (snaps if snapshots else None)
+
+
+def token_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., heads, D] as the kernels read it, float32 [tokens, heads, D] with each token's heads x D
+    contiguous and the tokens one stride apart: q, k and v sliced from a projection's output need no copy."""
+    x = x.reshape(-1, *x.shape[-2:])  # a view wherever one stride per token exists
+    if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        x = x.to(torch.float32).contiguous()
+    return x
 
 
 # Empty placeholders the kernel reads as "absent" (never written).

@@ -125,3 +125,15 @@ def test_gradients_flow_through_auto_and_match_conv1d():
         torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="without gradients"):
         causal_conv1d(x, w, backend="fused")
+
+
+@pytest.mark.parametrize("T", [1, 6], ids=lambda t: f"T{t}")
+def test_input_sliced_from_a_wider_projection(conv_backend, T):
+    B, C, W = 2, 70, 4
+    wide = torch.randn(B, T, C + 9)
+    x, w, state = wide[..., :C], torch.randn(C, W), torch.randn(B, W - 1, C)
+    y, new_state = causal_conv1d(x, w, conv_state=state, backend=conv_backend)
+    for b in range(B):
+        history = torch.cat([state[b], x[b]])
+        torch.testing.assert_close(y[b].double(), torch_reference(history, w, None), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(new_state[b], history[-(W - 1):])

@@ -298,3 +298,14 @@ def test_value_widths_in_blocks_of_64(backend, V, gate):
     """Real head sizes (V a multiple of 64) take the fused kernel's register-blocked sweep."""
     q, k, v, g, beta, state = make_inputs(2, 70, 2, 4, 128, V, per_channel=gate == "per_channel")
     assert_matches_reference(backend, q, k, v, g, beta, state, snapshots=2)
+
+
+@pytest.mark.parametrize("B, T", [(1, 1), (3, 1), (2, 37)], ids=["one_token", "batch_of_tokens", "batch"])
+def test_slices_of_one_projection(backend, B, T):
+    """q, k, v as models pass them: views into one wider row per token (the fused kernel reads them in place)."""
+    H, HV, K, V = 2, 4, 16, 24
+    q, k, v, g, beta, state = make_inputs(B, T, H, HV, K, V, seed=5)
+    wide = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2), torch.full((B, T, 7), float("nan"))], dim=-1)
+    views = [x.view(B, T, n, d) for x, n, d in zip(wide.split([H * K, H * K, HV * V, 7], dim=-1), (H, H, HV), (K, K, V))]
+    assert views[0].is_contiguous() == (B * T == 1)  # one token's slice counts as contiguous
+    assert_matches_reference(backend, *views, g, beta, state, snapshots=2)

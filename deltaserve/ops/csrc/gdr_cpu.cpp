@@ -29,6 +29,7 @@ constexpr float kTinyScale = 1e-20f;
 
 struct Args {
   const float *q, *k, *g, *beta_in, *v;  // as given: [T, H, K], [T, H, K], [T, HV(, K)], [T, HV], [T, HV, V]
+  int64_t qs, ks, vs;                     // token strides of q, k, v (their rows may be slices of wider ones)
   float *state, *out, *snaps;
   const int64_t *cu;         // [N + 1] token offsets
   const int64_t *state_idx;  // [N] state row of each sequence, or null for row n
@@ -52,7 +53,7 @@ inline float inv_norm(const float* x, int64_t K) {
 // Packs item x of the window starting at token w0: the query and key rows of token w0 + x / H, head x % H.
 inline void pack_qk(const Args& a, int64_t w0, int64_t x) {
   const int64_t K = a.K, r = x / a.H, h = x % a.H, t = w0 + r;
-  const float *qt = a.q + (t * a.H + h) * K, *kt = a.k + (t * a.H + h) * K;
+  const float *qt = a.q + t * a.qs + h * K, *kt = a.k + t * a.ks + h * K;
   const float sq = a.l2norm ? a.scale * inv_norm(qt, K) : a.scale, sk = a.l2norm ? inv_norm(kt, K) : 1.f;
   float *qo = a.qn + (h * a.W + r) * K, *ko = a.kn + (h * a.W + r) * K;
 #pragma omp simd
@@ -135,7 +136,7 @@ void run_task(const Args& a, int64_t w0, int64_t w1, int64_t n, int64_t hv, int6
 
   for (int64_t t = t0; t < t1; ++t) {
     if (t + kPrefetch < t1) {
-      const char* vp = reinterpret_cast<const char*>(a.v + ((t + kPrefetch) * a.HV + hv) * V + c0);
+      const char* vp = reinterpret_cast<const char*>(a.v + (t + kPrefetch) * a.vs + hv * V + c0);
       char* op = reinterpret_cast<char*>(a.out + ((t + kPrefetch) * a.HV + hv) * V + c0);
       for (int64_t x = 0; x < vb * 4; x += 64) {
         _mm_prefetch(vp + x, _MM_HINT_T0);
@@ -143,7 +144,7 @@ void run_task(const Args& a, int64_t w0, int64_t w1, int64_t n, int64_t hv, int6
       }
     }
     const float b = bt[t];
-    const float* vt = a.v + (t * a.HV + hv) * V + c0;
+    const float* vt = a.v + t * a.vs + hv * V + c0;
 #pragma omp simd
     for (int64_t j = 0; j < vb; ++j) {
       u[j] = b * (vt[j] - kv[j]);
@@ -234,10 +235,11 @@ void run_block(const Args& a, int64_t w0, int64_t w1, int64_t n, int64_t hv, int
   else run_task<0, PC>(a, w0, w1, n, hv, c0, width);
 }
 
-// q, k [..., H, K]; v [..., HV, V]; g [..., HV] or [..., HV, K]; beta [..., HV]; out like v: the leading
-// dims are the T tokens of all sequences (B * T, packed). state [N, HV, K, V] (in/out); cu_seqlens
+// q, k [..., T, H, K]; v [..., T, HV, V]; g [..., HV] or [..., HV, K]; beta [..., HV]; out like v: the
+// leading dims are the tokens of all sequences (B * T, packed). state [N, HV, K, V] (in/out); cu_seqlens
 // [N + 1] int64; state_idx [N] int64 (rows of state) or empty; snaps [N, n_snaps, HV, K, V] or empty.
-// All float tensors float32 and contiguous.
+// All float tensors float32 and contiguous, except that the tokens of q, k and v may lie any stride
+// apart (slices of a projection's output), with a whole batch one stride per token.
 void gdr_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
                  torch::Tensor state, torch::Tensor cu_seqlens, torch::Tensor state_idx, torch::Tensor out,
                  torch::Tensor snaps, double scale, bool l2norm) {
@@ -247,6 +249,9 @@ void gdr_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tenso
   a.g = g.data_ptr<float>();
   a.beta_in = beta.data_ptr<float>();
   a.v = v.data_ptr<float>();
+  a.qs = q.stride(-3);
+  a.ks = k.stride(-3);
+  a.vs = v.stride(-3);
   a.state = state.data_ptr<float>();
   a.out = out.data_ptr<float>();
   a.n_snaps = snaps.numel() ? snaps.size(1) : 0;
@@ -259,7 +264,7 @@ void gdr_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tenso
   a.K = state.size(2);
   a.V = state.size(3);
   a.T = a.H * a.K ? q.numel() / (a.H * a.K) : 0;
-  a.per_channel = g.dim() == v.dim();
+  a.per_channel = g.dim() == out.dim();  // g [..., HV, K] like out [..., HV, V], not [..., HV]
   a.l2norm = l2norm;
   a.scale = static_cast<float>(scale);
   const int64_t K = a.K, V = a.V;
@@ -308,7 +313,7 @@ void gdr_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tenso
 
 // The conv for exactly one token of each of N sequences, kernel width 4: a few microseconds of work, less than waking
 // a second thread or laying the weight out tap-major would cost.
-void conv_step4(const float* xp, const float* wp, const float* bp, float* sp, const int64_t* cu,
+void conv_step4(const float* xp, int64_t xs, const float* wp, const float* bp, float* sp, const int64_t* cu,
                 const int64_t* idx, float* op, int64_t N, int64_t C, bool silu) {
   constexpr int64_t CB = 64;
   alignas(64) float y[CB];
@@ -319,7 +324,7 @@ void conv_step4(const float* xp, const float* wp, const float* bp, float* sp, co
       const int64_t cb = std::min(CB, C - c0);
       const float* __restrict__ w = wp + 4 * c0;
       float *__restrict__ s0 = st + c0, *__restrict__ s1 = s0 + C, *__restrict__ s2 = s1 + C;
-      const float* __restrict__ xt = xp + t * C + c0;
+      const float* __restrict__ xt = xp + t * xs + c0;
 #pragma omp simd
       for (int64_t c = 0; c < cb; ++c) {
         y[c] = w[4 * c] * s0[c] + w[4 * c + 1] * s1[c] + w[4 * c + 2] * s2[c] + w[4 * c + 3] * xt[c];
@@ -340,7 +345,7 @@ void conv_step4(const float* xp, const float* wp, const float* bp, float* sp, co
   }
 }
 
-// Short causal depthwise conv with its state. x [T, C]; weight [C, W]; bias [C] or empty; state [S, W-1, C]
+// Short causal depthwise conv with its state. x [T, C] (rows any stride apart); weight [C, W]; bias [C] or empty; state [S, W-1, C]
 // (in/out, the last W-1 inputs, oldest first); cu_seqlens [N + 1]; state_idx [N] or empty; out [T, C].
 // Threads over (sequence, block of channels); each task first lays its block of the weight out tap-major,
 // so the channel loops are contiguous (a transposed copy in torch cost more than a decode step's conv).
@@ -348,6 +353,7 @@ void conv_forward(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, tor
                   torch::Tensor cu_seqlens, torch::Tensor state_idx, torch::Tensor out, bool silu) {
   const int64_t C = x.size(1), W = weight.size(1), N = cu_seqlens.size(0) - 1;
   const float* xp = x.data_ptr<float>();
+  const int64_t xs = x.stride(0);
   const float* wsrc = weight.data_ptr<float>();
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   float* sp = state.data_ptr<float>();
@@ -357,7 +363,7 @@ void conv_forward(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, tor
   bool one_each = W == 4;
   for (int64_t n = 0; n < N && one_each; ++n) one_each = cu[n + 1] - cu[n] == 1;
   if (one_each) {  // one token per sequence (decode): no blocks, no threads
-    conv_step4(xp, wsrc, bp, sp, cu, idx, op, N, C, silu);
+    conv_step4(xp, xs, wsrc, bp, sp, cu, idx, op, N, C, silu);
     return;
   }
   constexpr int64_t CB = 256;
@@ -373,7 +379,7 @@ void conv_forward(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, tor
       for (int64_t w = 0; w < W - 1; ++w)
         for (int64_t c = 0; c < cb; ++c) hist[w * CB + c] = st[w * C + c];
       for (int64_t t = cu[n]; t < cu[n + 1]; ++t) {
-        const float* xt = xp + t * C + c0;
+        const float* xt = xp + t * xs + c0;
         const float* wl = wt.data() + (W - 1) * CB;
 #pragma omp simd
         for (int64_t c = 0; c < cb; ++c) y[c] = (bp ? bp[c0 + c] : 0.f) + wl[c] * xt[c];
