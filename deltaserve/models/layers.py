@@ -104,23 +104,45 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight over the last dim, computed in float32 (weight is the final multiplier)."""
+    """x / rms(x) * weight over the last dim, computed in float32 (weight is the final multiplier); with a
+    gate, times silu(gate) or sigmoid(gate) too (the output gates of GDN and KDA layers)."""
+
+    GATES = {"silu": (1, F.silu), "sigmoid": (2, torch.sigmoid)}
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu"
-                and x.is_contiguous() and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
-                and fused.available()):  # inference on CPU: one fused call
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None, gate_act: str = "silu") -> torch.Tensor:
+        """x [..., D]; gate like x (any strides) or None."""
+        if _fused_inference(x, self.weight, gate) and x.is_contiguous():  # one C++ call
             out = torch.empty_like(x)
-            fused.extension().rms_norm(x, self.weight, self.eps, out)
+            rows = fused.EMPTY_F32 if gate is None else gate.reshape(-1, *gate.shape[-2:])  # [tokens, R, D]
+            if gate is not None and rows.stride(-1) != 1:
+                rows = rows.contiguous()
+            fused.extension().rms_norm(x, self.weight, self.eps, out, rows, self.GATES[gate_act][0])
             return out
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return (x32 if gate is None else x32 * self.GATES[gate_act][1](gate.float())).to(x.dtype)
+
+
+def _fused_inference(*tensors: torch.Tensor | None) -> bool:
+    """Whether the C++ kernels may compute this: inference (no autograd), float32 CPU tensors, kernels built."""
+    return (not torch.is_grad_enabled() and fused.available()
+            and all(t is None or (t.dtype == torch.float32 and t.is_cpu) for t in tensors))
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] on the last dim, [..., 2I] -> [..., I]."""
+    if _fused_inference(gate_up) and gate_up.stride(-1) == 1:
+        rows = gate_up.reshape(-1, gate_up.shape[-1])
+        out = torch.empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+        fused.extension().silu_mul(rows, out.view(rows.shape[0], -1))
+        return out
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class RotaryEmbedding(nn.Module):
@@ -228,8 +250,7 @@ class MLP(nn.Module):
         self.down = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(swiglu(self.gate_up(x)))
 
 
 def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,8 +300,7 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             rows = tokens[begin:begin + count]
-            gate, up = linear(x[rows], expert(self.gate_up, e)).chunk(2, dim=-1)
-            y = linear(F.silu(gate) * up, expert(self.down, e))
+            y = linear(swiglu(linear(x[rows], expert(self.gate_up, e))), expert(self.down, e))
             out.index_add_(0, rows, y.float() * weights.flatten()[order[begin:begin + count], None])
             begin += count
         return out.to(x.dtype)

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from deltaserve.models.layers import Experts, RMSNorm, RotaryEmbedding, apply_rotary, cached_attention, softmax_topk
+from deltaserve.models.layers import (Experts, RMSNorm, RotaryEmbedding, apply_rotary, cached_attention, softmax_topk,
+                                      swiglu)
 from deltaserve.models.qwen import _tiled_to_grouped
 
 GEN = torch.Generator().manual_seed(0)
@@ -31,6 +32,30 @@ def test_rmsnorm(case):
     assert out.requires_grad == (case == "autograd")
     assert torch.allclose(out.double(), expected, atol=1e-6)
     assert norm(x.bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("case", ["fused", "autograd"])
+@pytest.mark.parametrize("act", ["silu", "sigmoid"])
+def test_rmsnorm_with_output_gate(act, case):
+    """norm(o) * act(z) per head, z sliced out of a wider projection row as the GDN / KDA layers pass it."""
+    norm = RMSNorm(24, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(randn(24))
+    o, proj = randn(2, 5, 3, 24), randn(2, 5, 3 * 24 + 11)
+    z = proj[..., 7:7 + 3 * 24].view(2, 5, 3, 24)
+    o64, z64 = o.double(), z.double()
+    gate = z64 * torch.sigmoid(z64) if act == "silu" else torch.sigmoid(z64)
+    expected = o64 / torch.sqrt((o64 ** 2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double() * gate
+    with torch.set_grad_enabled(case == "autograd"):
+        out = norm(o.requires_grad_(case == "autograd"), gate=z, gate_act=act)
+    assert torch.allclose(out.double(), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 7], ids=lambda r: f"rows{r}")
+def test_swiglu(rows):
+    gate_up = randn(rows, 2 * 40 + 3)[:, :80]  # rows of a wider buffer
+    g64, u64 = gate_up.double().chunk(2, dim=-1)
+    torch.testing.assert_close(swiglu(gate_up).double(), g64 * torch.sigmoid(g64) * u64, rtol=1e-6, atol=1e-6)
 
 
 def test_partial_rotary_rotates_channel_pairs():

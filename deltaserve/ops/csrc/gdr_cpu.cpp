@@ -403,12 +403,16 @@ void conv_forward(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, tor
 }
 
 // out = x / sqrt(mean(x^2) + eps) * w over rows of D = w.numel(); x, out float32 contiguous [..., D]. One call
-// instead of the six small ops of the torch expression (a decode step runs ~80 norms).
-void rms_norm(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor out) {
+// instead of the six small ops of the torch expression (a decode step runs ~80 norms). With a gate (float32
+// [tokens, rows per token, D], D contiguous, tokens any stride apart: a slice of a projection) the rows are
+// also multiplied by act(gate): act 1 silu, 2 sigmoid (the output gates of GDN and KDA layers).
+void rms_norm(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor out, torch::Tensor gate, int64_t act) {
   const int64_t D = w.numel(), M = D ? x.numel() / D : 0;
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  const float* gp = gate.numel() ? gate.data_ptr<float>() : nullptr;
+  const int64_t per_token = gp ? gate.size(1) : 1, gs = gp ? gate.stride(0) : 0, gr = gp ? gate.stride(1) : 0;
   at::parallel_for(0, M, 64, [&](int64_t lo, int64_t hi) {
     for (int64_t m = lo; m < hi; ++m) {
       const float* xr = xp + m * D;
@@ -425,6 +429,30 @@ void rms_norm(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor out) {
       const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
 #pragma omp simd
       for (int64_t i = 0; i < D; ++i) orow[i] = xr[i] * r * wp[i];
+      if (!gp) continue;
+      const float* g = gp + (m / per_token) * gs + (m % per_token) * gr;
+      if (act == 1) {
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) orow[i] *= g[i] / (1.f + std::exp(-g[i]));
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) orow[i] *= 1.f / (1.f + std::exp(-g[i]));
+      }
+    }
+  });
+}
+
+// out [M, I] = silu(x[:, :I]) * x[:, I:] (SwiGLU); x [M, 2I] float32, rows any stride apart.
+void silu_mul(torch::Tensor x, torch::Tensor out) {
+  const int64_t M = out.size(0), I = out.size(1), xs = x.stride(0);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / std::max<int64_t>(I, 1)), [&](int64_t lo, int64_t hi) {
+    for (int64_t m = lo; m < hi; ++m) {
+      const float *g = xp + m * xs, *u = g + I;
+      float* o = op + m * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
   });
 }
@@ -535,6 +563,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdr_forward", &gdr_forward, "fused gated delta rule (CPU, float32)");
   m.def("conv_forward", &conv_forward, "short causal depthwise conv with state (CPU, float32)");
   m.def("linear_f16", &linear_f16, "float32 activations times float16 weights, float32 accumulation (CPU)");
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU, float32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, optionally times silu / sigmoid of a gate (CPU, float32)");
+  m.def("silu_mul", &silu_mul, "silu(x[:, :I]) * x[:, I:] (CPU, float32)");
   m.def("linear_q8", &linear_q8, "float32 activations times Q8_0 weights (int8, float16 scale per 32), float32 accumulation (CPU)");
 }
