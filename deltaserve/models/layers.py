@@ -231,7 +231,15 @@ class GatedAttention(nn.Module):
         without: each row is a whole sequence and nothing is kept (training)."""
         N, T, _ = x.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        q, gate, k, v = self.qkv_proj(x).split([nh * hd, nh * hd, nkv * hd, nkv * hd], dim=-1)
+        proj = self.qkv_proj(x)
+        if T == 1 and k_cache is not None and _fused_inference(proj, k_cache, v_cache, cos, self.q_norm.weight):
+            # decode: norms, rope, cache write, attention and gate in one kernel call (~40 small ops otherwise)
+            o = torch.empty(N, nh * hd)
+            fused.extension().attention_step(proj.view(N, -1), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                             cos.reshape(N, -1).contiguous(), sin.reshape(N, -1).contiguous(),
+                                             k_cache, v_cache, slots, start, hd ** -0.5, o)
+            return self.o_proj(o.view(N, 1, nh * hd))
+        q, gate, k, v = proj.split([nh * hd, nh * hd, nkv * hd, nkv * hd], dim=-1)
         q = apply_rotary(self.q_norm(q.view(N, T, nh, hd)), cos, sin)
         k = apply_rotary(self.k_norm(k.view(N, T, nkv, hd)), cos, sin)
         if k_cache is None:

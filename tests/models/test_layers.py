@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from deltaserve.models.layers import (Experts, RMSNorm, RotaryEmbedding, apply_rotary, cached_attention, softmax_topk,
+from deltaserve.models.layers import (Experts, GatedAttention, RMSNorm, RotaryEmbedding, apply_rotary, cached_attention, softmax_topk,
                                       swiglu)
 from deltaserve.models.qwen import _tiled_to_grouped
 
@@ -137,3 +137,25 @@ def test_tiled_to_grouped_value_head_order():
     assert torch.equal(grouped[:, 0], torch.arange(H * r).repeat_interleave(head).float())
     cols = _tiled_to_grouped(tiled.T.contiguous(), 1, H, r, head)
     assert torch.equal(cols, grouped.T)
+
+
+def test_attention_decode_step_kernel_equals_torch_path():
+    """One new token of each of two sequences: the fused decode kernel (inference) against the layer's torch
+    ops (taken whenever autograd is on), which test_cached_attention_against_naive_loop checks longhand."""
+    nh, nkv, hd, rot, E = 6, 2, 20, 12, 16
+    attn = GatedAttention(E, nh, nkv, hd, eps=1e-6)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(randn(*p.shape) * 0.5)
+    slots, start = torch.tensor([3, 1]), torch.tensor([9, 4])
+    x = randn(2, 1, E)
+    cos, sin = RotaryEmbedding(rot, 1000.0)(start[:, None])
+    caches = [randn(4, 16, nkv, hd), randn(4, 16, nkv, hd)]
+    kernel_caches, torch_caches = [c.clone() for c in caches], [c.clone() for c in caches]
+    with torch.no_grad():
+        got = attn(x, cos, sin, *kernel_caches, slots, start)
+    with torch.enable_grad():
+        want = attn(x, cos, sin, *torch_caches, slots, start)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(kernel_caches, torch_caches):  # the new keys and values written in the same places
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
