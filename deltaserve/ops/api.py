@@ -122,12 +122,13 @@ def _left_pad(cu_seqlens, *xs):
 def _check(q, k, v, g, beta, initial_state, cu_seqlens, state_indices, inplace, snapshots, backend):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    for name, x in dict(q=q, k=k, v=v, g=g, beta=beta).items():
+    device = q.device if isinstance(q, torch.Tensor) else None
+    for name, x in zip("q k v g beta".split(), (q, k, v, g, beta)):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {type(x).__name__}"
                              + (f" of {x.dtype}" if isinstance(x, torch.Tensor) else ""))
-        if x.device != q.device:
-            fail(name, f"is on {x.device} but q is on {q.device}", q=q, **{name: x})
+        if x.device != device:
+            fail(name, f"is on {x.device} but q is on {device}", q=q, **{name: x})
     if q.dim() != 4 or k.shape != q.shape:
         fail("q, k", "must both be [B, T, H, K]", q=q, k=k)
     B, T, H, K = q.shape
@@ -151,8 +152,8 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens, state_indices, inplace, 
                  initial_state=initial_state)
         if initial_state.dtype != torch.float32:
             fail("initial_state", "must be float32", initial_state=initial_state)
-        if initial_state.device != q.device:
-            fail("initial_state", f"is on {initial_state.device} but q is on {q.device}",
+        if initial_state.device != device:
+            fail("initial_state", f"is on {initial_state.device} but q is on {device}",
                  initial_state=initial_state)
     if inplace and initial_state is None:
         raise ValueError("inplace=True needs an initial_state to write into")

@@ -78,8 +78,12 @@ def fused(q, k, v, g, beta, *, scale, state, cu_seqlens, snapshots, use_qk_l2nor
 
 
 def token_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., heads, D] as the kernels read it, float32 [tokens, heads, D] with each token's heads x D
+    """x [B, T, heads, D] as the kernels read it, float32 [..., tokens, heads, D] with each token's heads x D
     contiguous and the tokens one stride apart: q, k and v sliced from a projection's output need no copy."""
+    B, T, _, D = x.shape
+    s = x.stride()
+    if x.dtype == torch.float32 and s[3] == 1 and s[2] == D and (B == 1 or (T > 1 and s[0] == T * s[1])):
+        return x  # the kernel reads the token stride as stride(-3): already so (a decode step stops here)
     x = x.reshape(-1, *x.shape[-2:])  # a view wherever one stride per token exists
     if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != x.shape[2]:
         x = x.to(torch.float32).contiguous()
