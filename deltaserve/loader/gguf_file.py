@@ -12,7 +12,7 @@ import os
 import struct
 import sys
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -240,6 +240,20 @@ class GGUFCheckpoint:
             raise ModelLoadError(self.path, str(e), tensor=name) from None
         self._release(self.info(name))
         return out.to(dtype)
+
+    def load_rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Rows start:end of a tensor [R, C] dequantised to a new float32 tensor, their file pages then dropped:
+        a large embedding read this way never exists whole in float32."""
+        qtype, raw, (R, C) = self.raw(name)
+        row_bytes = raw.numel() // R  # a row is a whole number of blocks
+        start, end = max(0, start), min(R, end)
+        try:
+            out = quants.dequantize(raw[start * row_bytes:end * row_bytes], qtype, (end - start, C))
+        except ValueError as e:
+            raise ModelLoadError(self.path, str(e), tensor=name) from None
+        info = self.info(name)
+        self._release(replace(info, offset=info.offset + start * row_bytes, nbytes=(end - start) * row_bytes))
+        return out
 
     def _release(self, info: TensorInfo) -> None:
         """The tensor's bytes were copied out: drop their pages from this process (the file stays cached by

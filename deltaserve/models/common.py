@@ -46,7 +46,7 @@ def build(cls, config_cls, weights_from_gguf, weights_from_hf, ckpt, *, dtype: t
             packed = quantize_q8(t) if name in q8 else None
             if packed is not None:
                 params[name] = packed
-            elif name in keep or (exact and not torch.equal(t.to(stored).to(t.dtype), t)):
+            elif name in keep or (exact and not _fits(t, stored)):
                 params[name] = _store(t, torch.float32, device)
             else:
                 params[name] = _store(t, stored, device)
@@ -59,7 +59,49 @@ def build(cls, config_cls, weights_from_gguf, weights_from_hf, ckpt, *, dtype: t
     return model.eval()
 
 
-def _store(t: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+class RowReader:
+    """A large checkpoint tensor [R, C] handed over a block of rows at a time, each block dequantised to
+    float32 on its own: while it is stored in 16 or 8 bits, a 248k-row embedding never exists whole in
+    float32 (1 GB at hidden size 1024, 4 GB at 4096). Slicing rows gives float32 tensors."""
+
+    BLOCK = 2048  # rows per block
+
+    def __init__(self, ckpt, name: str, shape: tuple[int, int]):
+        self.ckpt, self.name, self.shape, self.dtype = ckpt, name, shape, torch.float32
+
+    def dim(self) -> int:
+        return 2
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        start, end, _ = rows.indices(self.shape[0])
+        return self.ckpt.load_rows(self.name, start, end)
+
+    def blocks(self):
+        for r in range(0, self.shape[0], self.BLOCK):
+            yield r, self[r:r + self.BLOCK]
+
+
+def fetch_rows(ckpt, name: str, rows: int, cols: int) -> torch.Tensor | RowReader:
+    """Tensor `name` [rows, cols] to be read a block of rows at a time where the checkpoint allows (GGUF), for
+    the embedding and output head; elsewhere as fetch() gives it."""
+    if hasattr(ckpt, "load_rows") and ckpt.has(name) and tuple(ckpt.shape(name)) == (rows, cols):
+        return RowReader(ckpt, name, (rows, cols))
+    return fetch(ckpt, name, rows, cols)
+
+
+def _fits(t: torch.Tensor | RowReader, dtype: torch.dtype) -> bool:
+    """Whether every value of t survives a round trip through dtype."""
+    blocks = t.blocks() if isinstance(t, RowReader) else [(0, t)]
+    return all(torch.equal(b.to(dtype).to(b.dtype), b) for _, b in blocks)
+
+
+def _store(t: torch.Tensor | RowReader, dtype: torch.dtype, device) -> torch.Tensor:
+    if isinstance(t, RowReader):
+        out = weight_empty(t.shape, dtype) if torch.device(device).type == "cpu" else \
+            torch.empty(t.shape, dtype=dtype, device=device)
+        for r, block in t.blocks():
+            out[r:r + block.shape[0]] = block
+        return out
     if torch.device(device).type != "cpu":
         return t.to(device=device, dtype=dtype)
     return weight_empty(t.shape, dtype).copy_(t)

@@ -18,7 +18,7 @@ from torch import nn
 from deltaserve.cache.state import HybridState, Snapshots
 from deltaserve.models.config import KimiConfig
 from deltaserve.models.layers import MLP, Linear, RMSNorm, SigmoidMoE, cached_attention, embed_tokens
-from deltaserve.models.common import build, check_batch, fetch, lm_logits
+from deltaserve.models.common import build, check_batch, fetch, fetch_rows, lm_logits
 from deltaserve.models.qwen import conv_tape
 from deltaserve.ops import causal_conv1d, gated_delta_rule
 
@@ -282,10 +282,10 @@ def _weights_from_gguf(ckpt, cfg: KimiConfig) -> Iterator[tuple[str, torch.Tenso
     def w(name, *shape):
         return fetch(ckpt, name, *shape)
 
-    yield "embed.weight", w("token_embd.weight", cfg.vocab_size, E)
+    yield "embed.weight", fetch_rows(ckpt, "token_embd.weight", cfg.vocab_size, E)
     yield "norm.weight", w("output_norm.weight", E)
     if not cfg.tie_word_embeddings:
-        yield "lm_head.weight", w("output.weight", cfg.vocab_size, E)
+        yield "lm_head.weight", fetch_rows(ckpt, "output.weight", cfg.vocab_size, E)
     for i, kind in enumerate(cfg.layer_types):
         b, dst = f"blk.{i}.", f"layers.{i}."
         m, f = dst + "mixer.", dst + "ffn."

@@ -68,7 +68,7 @@ def embed_tokens(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) ->
     return (rows.unflatten(-1, (-1, Q8_BLOCK)) * scale[..., None]).flatten(-2)
 
 
-def quantize_q8(w: torch.Tensor, rows_per_pass: int = 8192) -> nn.Parameter | None:
+def quantize_q8(w: torch.Tensor, rows_per_pass: int = 2048) -> nn.Parameter | None:
     """w [..., N, K] float32 in Q8_0 form when it holds exactly such values, as the weights of a Q8_0 file
     do once dequantised: an int8 parameter [..., N, K] carrying `.scale`, float16 [..., N, K / 32], with
     w[n, k] == scale[n, k // 32] * q[n, k]. None when any block is not exactly that (the caller then keeps
@@ -76,7 +76,7 @@ def quantize_q8(w: torch.Tensor, rows_per_pass: int = 8192) -> nn.Parameter | No
     if w.dim() < 2 or w.dtype != torch.float32 or w.shape[-1] % Q8_BLOCK:
         return None
     *shape, K = w.shape
-    w = w.reshape(-1, K)
+    w = w.reshape(-1, K) if w.dim() > 2 else w  # 2-D as it is: a checkpoint's row reader slices like one
     N = w.shape[0]
     q = weight_empty((N, K), torch.int8)
     scale = torch.empty(N, K // Q8_BLOCK, dtype=torch.float16)

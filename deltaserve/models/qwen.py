@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.cache.state import HybridState, Snapshots
-from deltaserve.models.common import build, check_batch, check_ids, fetch, lm_logits
+from deltaserve.models.common import build, check_batch, check_ids, fetch, fetch_rows, lm_logits
 from deltaserve.models.config import QwenConfig
 from deltaserve.models.layers import (MLP, GatedAttention, Linear, RMSNorm, RotaryEmbedding, SparseMoE,
                                       embed_tokens)
@@ -273,10 +273,10 @@ def _weights_from_gguf(ckpt, cfg: QwenConfig) -> Iterator[tuple[str, torch.Tenso
     def grouped(t, dim, head):
         return _tiled_to_grouped(t, dim, H, r, head) if tiled else t
 
-    yield "embed.weight", w("token_embd.weight", cfg.vocab_size, E)
+    yield "embed.weight", fetch_rows(ckpt, "token_embd.weight", cfg.vocab_size, E)
     yield "norm.weight", w("output_norm.weight", E)
     if not cfg.tie_word_embeddings:
-        yield "lm_head.weight", w("output.weight", cfg.vocab_size, E)
+        yield "lm_head.weight", fetch_rows(ckpt, "output.weight", cfg.vocab_size, E)
     for i, kind in enumerate(cfg.layer_types):  # nextn blocks (blk.{n_layers}...) are never read
         b, dst = f"blk.{i}.", f"layers.{i}."
         yield dst + "input_norm.weight", w(b + "attn_norm.weight", E)

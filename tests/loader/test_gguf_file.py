@@ -99,6 +99,17 @@ def test_tensor_matches_numpy_reference(written, ckpt, name):
     torch.testing.assert_close(ours, torch.from_numpy(expected.reshape(shape)), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", [n for n in TENSOR_NAMES if len(make_tensors(np.random.default_rng(0))[n][2]) == 2])
+def test_rows_read_a_block_at_a_time(written, ckpt, name):
+    """load_rows (embeddings read in blocks, never whole in float32) gives gguf-py's values of those rows."""
+    stored = {t.name: t for t in GGUFReader(written[0]).tensors}[name]
+    expected = torch.from_numpy(ref.dequantize(stored.data, stored.tensor_type).astype(np.float32))
+    expected = expected.reshape(ckpt.shape(name))
+    R = expected.shape[0]
+    for start, end in [(0, R), (1, R), (0, 1), (R - 1, R + 5)]:
+        torch.testing.assert_close(ckpt.load_rows(name, start, end), expected[start:end], rtol=0, atol=0)
+
+
 def test_values_survive_the_round_trip(written, ckpt):
     _, tensors = written
     torch.testing.assert_close(ckpt.load("f32_3d.weight"), torch.from_numpy(tensors["f32_3d.weight"][0]))

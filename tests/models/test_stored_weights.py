@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from deltaserve.engine.llm import LLM
-from deltaserve.models.layers import Linear
+from deltaserve.models.common import RowReader
+from deltaserve.loader import open_checkpoint
+from deltaserve.models.layers import Linear, dequantize
 from deltaserve.models.make import make_model
 
 
@@ -14,13 +16,17 @@ from deltaserve.models.make import make_model
     ("q8_0", torch.int8, "The weights are stored in eight bits, the sums are not."),
 ], ids=["f16", "q8_0"])
 @pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "qwen3next", "kimi-linear"])
-def test_stored_weights_match_f32_storage(arch, file_dtype, stored, text, tmp_path):
+def test_stored_weights_match_f32_storage(arch, file_dtype, stored, text, tmp_path, monkeypatch):
+    monkeypatch.setattr(RowReader, "BLOCK", 37)  # the embedding arrives in several blocks of rows
     path = tmp_path / f"{arch}.gguf"
     make_model(arch, "tiny", file_dtype, path, seed=3)
     kept = LLM(path, max_len=128)  # by default the weights stay in the file's form
     f32 = LLM(path, max_len=128, weight_dtype=torch.float32)
     linears = [m.weight for m in kept.model.modules() if isinstance(m, Linear)]
     assert kept.model.embed.weight.dtype == stored and f32.model.embed.weight.dtype == torch.float32
+    table = open_checkpoint(path).load("token_embd.weight")  # read whole, not in blocks
+    assert torch.equal(dequantize(kept.model.embed.weight, torch.float32), table)
+    assert torch.equal(f32.model.embed.weight, table)
     assert sum(w.dtype == stored for w in linears) > len(linears) // 2
     ids = kept.tokenizer.encode(text)
     torch.testing.assert_close(kept.score(ids), f32.score(ids), rtol=1e-5, atol=1e-5)  # prefill
