@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import json
+from array import array
 from datetime import datetime
 from pathlib import Path
 from typing import Iterable
@@ -95,7 +96,8 @@ class Tokenizer:
                  pad_token_id: int | None = None, add_bos: bool = False,
                  chat_template: str | None = None, extra_eos_ids: Iterable[int] = (),
                  pre: str | None = None):
-        self._backend, self.tokens, self.token_types = backend, tokens, token_types
+        # the token texts stay in the backend only (a 248k vocabulary as Python strings is 16 MB more)
+        self._backend, self.token_types = backend, array("B", token_types)
         self.eos_token_id, self.bos_token_id, self.pad_token_id = eos_token_id, bos_token_id, pad_token_id
         self.add_bos, self.chat_template, self.pre = add_bos, chat_template, pre
         self._pieces = [_token_bytes(t, k) for t, k in zip(tokens, token_types)]
@@ -106,13 +108,18 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return len(self.tokens)
+        return len(self._pieces)
+
+    @property
+    def tokens(self) -> list[str]:
+        """The text of every id ("" where the vocabulary has a hole)."""
+        return [self._backend.id_to_token(i) or "" for i in range(self.vocab_size)]
 
     @property
     def special_token_texts(self) -> dict[str, str | None]:
         """bos/eos/pad as text, the names chat templates and tokenizer_config.json use."""
         ids = {"bos_token": self.bos_token_id, "eos_token": self.eos_token_id, "pad_token": self.pad_token_id}
-        return {name: None if i is None else self.tokens[i] for name, i in ids.items()}
+        return {name: None if i is None else self._backend.id_to_token(i) for name, i in ids.items()}
 
     # -- construction --------------------------------------------------------------------------
 
