@@ -19,7 +19,7 @@ from .state import RecurrentCopy
 
 
 class CacheManager:
-    def __init__(self, model, n_slots: int = 1, max_len: int = 4096, checkpoint_interval: int = 256,
+    def __init__(self, model, n_slots: int = 1, max_len: int = 4096, checkpoint_interval: int = 512,
                  budget_mb: float = 1024.0):
         """model: anything with new_state(n_slots, max_len) -> HybridState. checkpoint_interval 0 or
         budget_mb 0 turn checkpoints off (live reuse still works)."""

@@ -29,7 +29,7 @@ class Metrics:
 
 class Engine:
     def __init__(self, model, tokenizer, *, n_slots: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
-                 model_name: str = "deltaserve", checkpoint_interval: int = 256, cache_budget_mb: float = 1024.0,
+                 model_name: str = "deltaserve", checkpoint_interval: int = 512, cache_budget_mb: float = 1024.0,
                  speculative: str | None = None, spec_tokens: int = 4):
         """speculative: "ngram" or a draft model's path, used by every request; see LLM for the other options."""
         self.tokenizer = tokenizer

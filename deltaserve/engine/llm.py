@@ -52,10 +52,11 @@ class LLM:
     """Synchronous generation on one sequence slot; the server's Engine runs the same Scheduler in a thread."""
 
     def __init__(self, model: str | Path | None = None, *, dtype: torch.dtype = torch.float32, device="cpu",
-                 weight_dtype: torch.dtype | None = None, max_len: int = 4096, prefill_chunk: int = 512, checkpoint_interval: int = 256,
+                 weight_dtype: torch.dtype | None = None, max_len: int = 4096, prefill_chunk: int = 512, checkpoint_interval: int = 512,
                  cache_budget_mb: float = 1024.0, speculative: str | None = None, spec_tokens: int = 4):
         """checkpoint_interval / cache_budget_mb: prefix checkpoints every that many tokens, kept within that
-        many MB (0 turns them off). speculative: "ngram" or a draft model's path, for every generate call
+        many MB (0 turns them off); the default interval is the prefill chunk, so checkpoints cut no prefill
+        pass in two (at 256, a 512-token prefill ran 13% slower). speculative: "ngram" or a draft model's path, for every generate call
         that does not say otherwise; spec_tokens: the most tokens drafted per step."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")

@@ -16,7 +16,7 @@ from deltaserve.cache.state import HybridState
 
 
 class ModelRunner:
-    def __init__(self, model, n_slots: int = 1, max_len: int = 4096, checkpoint_interval: int = 256,
+    def __init__(self, model, n_slots: int = 1, max_len: int = 4096, checkpoint_interval: int = 512,
                  cache_budget_mb: float = 1024.0):
         self.model = model
         self.cache = CacheManager(model, n_slots, max_len, checkpoint_interval, cache_budget_mb)
