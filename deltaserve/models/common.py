@@ -96,15 +96,14 @@ def _fits(t: torch.Tensor | RowReader, dtype: torch.dtype) -> bool:
 
 
 def _store(t: torch.Tensor | RowReader, dtype: torch.dtype, device) -> torch.Tensor:
-    if isinstance(t, RowReader):
-        out = weight_empty(t.shape, dtype) if torch.device(device).type == "cpu" else \
-            torch.empty(t.shape, dtype=dtype, device=device)
-        for r, block in t.blocks():
-            out[r:r + block.shape[0]] = block
-        return out
-    if torch.device(device).type != "cpu":
-        return t.to(device=device, dtype=dtype)
-    return weight_empty(t.shape, dtype).copy_(t)
+    """t as a new tensor of dtype on device (weights on CPU in huge-page memory, see weight_empty)."""
+    cpu = torch.device(device).type == "cpu"
+    if not isinstance(t, RowReader):
+        return weight_empty(t.shape, dtype).copy_(t) if cpu else t.to(device=device, dtype=dtype)
+    out = weight_empty(t.shape, dtype) if cpu else torch.empty(t.shape, dtype=dtype, device=device)
+    for r, block in t.blocks():
+        out[r:r + len(block)] = block
+    return out
 
 
 def lm_logits(model, h: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = x.new_empty(*x.shape[:-1], weight.shape[0])
     y2 = y.view(-1, weight.shape[0])
     for r in range(0, weight.shape[0], _DEQUANT_ROWS):
-        block = dequantize(row_block(weight, r, r + _DEQUANT_ROWS), x.dtype)
+        block = dequantize(part(weight, slice(r, r + _DEQUANT_ROWS)), x.dtype)
         torch.mm(rows, block.T, out=y2[:, r:r + _DEQUANT_ROWS])
     return y if bias is None else y + bias.to(y.dtype)
 
@@ -271,19 +271,12 @@ def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.T
     return weights, ids
 
 
-def expert(weights: torch.Tensor, e: int) -> torch.Tensor:
-    """Matrix e of stacked expert weights [n, N, K], in the same form (a Q8_0 matrix keeps its scales)."""
-    w = weights[e]
-    if weights.dtype == torch.int8:
-        w.scale = weights.scale[e]
-    return w
-
-
-def row_block(weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """Rows start:end of a weight [N, K], in the same form (a Q8_0 matrix keeps its scales)."""
-    w = weight[start:end]
+def part(weight: torch.Tensor, index) -> torch.Tensor:
+    """weight[index] in the same form: a Q8_0 matrix's part keeps its scales (an expert of stacked
+    matrices, a block of rows)."""
+    w = weight[index]
     if weight.dtype == torch.int8:
-        w.scale = weight.scale[start:end]
+        w.scale = weight.scale[index]
     return w
 
 
@@ -308,7 +301,7 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             rows = tokens[begin:begin + count]
-            y = linear(swiglu(linear(x[rows], expert(self.gate_up, e))), expert(self.down, e))
+            y = linear(swiglu(linear(x[rows], part(self.gate_up, e))), part(self.down, e))
             out.index_add_(0, rows, y.float() * weights.flatten()[order[begin:begin + count], None])
             begin += count
         return out.to(x.dtype)

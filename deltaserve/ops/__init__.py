@@ -3,7 +3,7 @@
 - reference.py: float64 token loop, the specification
 - recurrent.py: per-token step in torch ops (decode, any device)
 - chunk.py:     chunked WY/UT form (long prefills, differentiable)
-- fused.py:     one-pass C++ CPU kernel, state kept in L1
+- fused.py:     the C++ CPU kernels (csrc/): the one-pass delta rule with its state in L1, and more
 - conv.py:      short causal depthwise conv with its state
 - api.py:       the dispatcher: checks, reset, in-place, packed sequences, snapshots
 """

@@ -1,8 +1,8 @@
 """Fused path: one pass over the tokens with the state kept hot, threads over (sequence, head, column block).
 
-The kernel is C++ (csrc/gdr_cpu.cpp), compiled on first use for this CPU with torch's extension
-builder and cached under ~/.cache/deltaserve. Where no compiler is available, `available()` is
-False and "auto" dispatch uses the torch paths instead.
+The kernels are C++ (csrc/: the delta rule, the conv, the decode layers, the GEMVs), compiled on first
+use for this CPU with torch's extension builder and cached under ~/.cache/deltaserve. Where no compiler
+is available, `available()` is False and "auto" dispatch uses the torch paths instead.
 """
 
 from __future__ import annotations
@@ -15,22 +15,22 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).parent / "csrc" / "gdr_cpu.cpp"
+_CSRC = Path(__file__).parent / "csrc"  # module.cpp includes the kernel headers: one translation unit
 
 
 @functools.cache
 def extension():
     from torch.utils import cpp_extension
 
-    source = _SOURCE.read_bytes()
+    source = b"".join(f.read_bytes() for f in sorted(_CSRC.iterdir()) if f.suffix in (".cpp", ".h"))
     # -march=native code is only valid on this CPU: key the build by source, CPU and torch.
     cpu = platform.processor() + _cpu_flags()
     tag = hashlib.sha256(source + cpu.encode() + torch.__version__.encode() + b"omp").hexdigest()[:12]
-    build = Path(os.environ.get("DELTASERVE_CACHE", Path.home() / ".cache" / "deltaserve")) / f"gdr_cpu_{tag}"
+    build = Path(os.environ.get("DELTASERVE_CACHE", Path.home() / ".cache" / "deltaserve")) / f"cpu_kernels_{tag}"
     build.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(
-        name=f"deltaserve_gdr_cpu_{tag}",
-        sources=[str(_SOURCE)],
+        name=f"deltaserve_cpu_kernels_{tag}",
+        sources=[str(_CSRC / "module.cpp")],
         extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
         build_directory=str(build),

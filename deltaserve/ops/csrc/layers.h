@@ -1,0 +1,156 @@
+// The small layers of a decode step in one call each: RMSNorm (with an output gate), SwiGLU, and a step of
+// gated attention over the KV cache.
+#pragma once
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace deltaserve {
+
+// out = x / sqrt(mean(x^2) + eps) * w over rows of D = w.numel(); x, out float32 contiguous [..., D]. One call
+// instead of the six small ops of the torch expression (a decode step runs ~80 norms). With a gate (float32
+// [tokens, rows per token, D], D contiguous, tokens any stride apart: a slice of a projection) the rows are
+// also multiplied by act(gate): act 1 silu, 2 sigmoid (the output gates of GDN and KDA layers).
+void rms_norm(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor out, torch::Tensor gate, int64_t act) {
+  const int64_t D = w.numel(), M = D ? x.numel() / D : 0;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* gp = gate.numel() ? gate.data_ptr<float>() : nullptr;
+  const int64_t per_token = gp ? gate.size(1) : 1, gs = gp ? gate.stride(0) : 0, gr = gp ? gate.stride(1) : 0;
+  at::parallel_for(0, M, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t m = lo; m < hi; ++m) {
+      const float* xr = xp + m * D;
+      float* orow = op + m * D;
+      // 16 partial sums in a fixed order: the result must not depend on where the row lies in memory
+      // (a vectoriser aligning its loads would otherwise change the rounding between calls)
+      float part[16] = {0.f};
+      int64_t i = 0;
+      for (; i + 16 <= D; i += 16)
+        for (int j = 0; j < 16; ++j) part[j] += xr[i + j] * xr[i + j];
+      for (; i < D; ++i) part[i % 16] += xr[i] * xr[i];
+      float ss = 0.f;
+      for (int j = 0; j < 16; ++j) ss += part[j];
+      const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) orow[i] = xr[i] * r * wp[i];
+      if (!gp) continue;
+      const float* g = gp + (m / per_token) * gs + (m % per_token) * gr;
+      if (act == 1) {
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) orow[i] *= g[i] / (1.f + std::exp(-g[i]));
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) orow[i] *= 1.f / (1.f + std::exp(-g[i]));
+      }
+    }
+  });
+}
+
+// out [M, I] = silu(x[:, :I]) * x[:, I:] (SwiGLU); x [M, 2I] float32, rows any stride apart.
+void silu_mul(torch::Tensor x, torch::Tensor out) {
+  const int64_t M = out.size(0), I = out.size(1), xs = x.stride(0);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / std::max<int64_t>(I, 1)), [&](int64_t lo, int64_t hi) {
+    for (int64_t m = lo; m < hi; ++m) {
+      const float *g = xp + m * xs, *u = g + I;
+      float* o = op + m * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+}
+
+// x / rms(x) * w, then NeoX rope on the first `rot` channels (pairs i, i + rot/2), in place on one head row.
+inline void norm_rope(float* x, const float* w, float eps, const float* cos, const float* sin, int64_t D,
+                      int64_t rot) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < D; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+  for (int64_t i = 0; i < D; ++i) x[i] *= r * w[i];
+  const int64_t half = rot / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] - b * sin[i];
+    x[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+// One decode step of gated full attention (Qwen3.5 / Qwen3-Next) for M sequences of one new token each:
+// per head RMSNorm of q and k, partial rope, the new key / value written into the cache, attention over the
+// cache row up to and including the new token, and the output gate sigmoid(g). One call instead of ~40 small
+// ops. proj [M, ...] (rows any stride apart): [q (nh*hd) | g (nh*hd) | k (nkv*hd) | v (nkv*hd)]; cos, sin
+// [M, rot]; caches [S, L, nkv, hd]; slots, pos [M] int64 (cache row, position of the new token); out [M, nh*hd].
+// Threads over (sequence, kv head): each reads its keys and values once for the group of query heads.
+void attention_step(torch::Tensor proj, torch::Tensor q_norm, torch::Tensor k_norm, double eps, torch::Tensor cos,
+                    torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                    torch::Tensor pos, double scale, torch::Tensor out) {
+  const int64_t M = out.size(0), hd = q_norm.numel(), nh = out.size(1) / hd, nkv = k_cache.size(2);
+  const int64_t L = k_cache.size(1), rot = cos.size(1), group = nh / nkv, ps = proj.stride(0);
+  const float* pp = proj.data_ptr<float>();
+  const float *qw = q_norm.data_ptr<float>(), *kw = k_norm.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>(), *op = out.data_ptr<float>();
+  const int64_t *slot = slots.data_ptr<int64_t>(), *at = pos.data_ptr<int64_t>();
+  at::parallel_for(0, M * nkv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> q(group * hd), scores;
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t m = task / nkv, j = task % nkv, n = at[m];
+      const float* row = pp + m * ps;
+      const float *c = cp + m * rot, *s = sp + m * rot;
+      float* krow = kc + ((slot[m] * L + n) * nkv + j) * hd;  // the new key and value go into the cache
+      float* vrow = vc + ((slot[m] * L + n) * nkv + j) * hd;
+      std::copy(row + (2 * nh + j) * hd, row + (2 * nh + j + 1) * hd, krow);
+      std::copy(row + (2 * nh + nkv + j) * hd, row + (2 * nh + nkv + j + 1) * hd, vrow);
+      norm_rope(krow, kw, static_cast<float>(eps), c, s, hd, rot);
+      for (int64_t h = 0; h < group; ++h) {
+        std::copy(row + (j * group + h) * hd, row + (j * group + h + 1) * hd, q.data() + h * hd);
+        norm_rope(q.data() + h * hd, qw, static_cast<float>(eps), c, s, hd, rot);
+      }
+      const float* keys = kc + (slot[m] * L * nkv + j) * hd;  // key t at keys + t * nkv * hd
+      const float* vals = vc + (slot[m] * L * nkv + j) * hd;
+      scores.assign(group * (n + 1), 0.f);
+      for (int64_t t = 0; t <= n; ++t) {
+        const float* kt = keys + t * nkv * hd;
+        for (int64_t h = 0; h < group; ++h) {
+          const float* qh = q.data() + h * hd;
+          float d = 0.f;
+#pragma omp simd reduction(+ : d)
+          for (int64_t i = 0; i < hd; ++i) d += qh[i] * kt[i];
+          scores[h * (n + 1) + t] = d * static_cast<float>(scale);
+        }
+      }
+      for (int64_t h = 0; h < group; ++h) {  // softmax over the visible keys
+        float* sc = scores.data() + h * (n + 1);
+        const float mx = *std::max_element(sc, sc + n + 1);
+        float sum = 0.f;
+        for (int64_t t = 0; t <= n; ++t) sum += (sc[t] = std::exp(sc[t] - mx));
+        for (int64_t t = 0; t <= n; ++t) sc[t] /= sum;
+      }
+      float* o = op + m * nh * hd + j * group * hd;
+      std::fill(o, o + group * hd, 0.f);
+      for (int64_t t = 0; t <= n; ++t) {
+        const float* vt = vals + t * nkv * hd;
+        for (int64_t h = 0; h < group; ++h) {
+          const float p = scores[h * (n + 1) + t];
+          float* oh = o + h * hd;
+#pragma omp simd
+          for (int64_t i = 0; i < hd; ++i) oh[i] += p * vt[i];
+        }
+      }
+      for (int64_t h = 0; h < group; ++h) {  // output gate
+        const float* g = row + (nh + j * group + h) * hd;
+        float* oh = o + h * hd;
+#pragma omp simd
+        for (int64_t i = 0; i < hd; ++i) oh[i] *= 1.f / (1.f + std::exp(-g[i]));
+      }
+    }
+  });
+}
+
+}  // namespace deltaserve
