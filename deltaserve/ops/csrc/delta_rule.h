@@ -127,13 +127,27 @@ void run_task(const Args& a, int64_t w0, int64_t w1, int64_t n, int64_t hv, int6
 #pragma omp simd
       for (int64_t j = 0; j < vb; ++j) S[i * ld + j] = home[i * V + j];
 
-  for (int64_t j = 0; j < vb; ++j) kv[j] = 0.f;
-  for (int64_t i = 0; i < K; ++i) {
-    const float w = e[t0 * es + (PC ? i : 0)] * kn[t0 * K + i];
-    const float* Si = S + i * ld;
+  // two sets of sums (even and odd rows): one chain of dependent FMAs per element would wait on latency
+  alignas(64) float kv2[kMaxVB];
+  for (int64_t j = 0; j < vb; ++j) kv[j] = kv2[j] = 0.f;
+  int64_t i0 = 0;
+  for (; i0 + 1 < K; i0 += 2) {
+    const float w = e[t0 * es + (PC ? i0 : 0)] * kn[t0 * K + i0];
+    const float w2 = e[t0 * es + (PC ? i0 + 1 : 0)] * kn[t0 * K + i0 + 1];
+    const float *Si = S + i0 * ld, *Si2 = Si + ld;
 #pragma omp simd
-    for (int64_t j = 0; j < vb; ++j) kv[j] += w * Si[j];
+    for (int64_t j = 0; j < vb; ++j) {
+      kv[j] += w * Si[j];
+      kv2[j] += w2 * Si2[j];
+    }
   }
+  for (; i0 < K; ++i0) {
+    const float w = e[t0 * es + (PC ? i0 : 0)] * kn[t0 * K + i0];
+#pragma omp simd
+    for (int64_t j = 0; j < vb; ++j) kv[j] += w * S[i0 * ld + j];
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < vb; ++j) kv[j] += kv2[j];
 
   for (int64_t t = t0; t < t1; ++t) {
     if (t + kPrefetch < t1) {
