@@ -81,6 +81,13 @@ inline void norm_rope(float* x, const float* w, float eps, const float* cos, con
   }
 }
 
+// Cached keys / values of one kv head lie nkv * hd floats apart: requested this many rows ahead.
+constexpr int64_t kRowsAhead = 8;
+
+inline void prefetch_row(const float* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+}
+
 // One decode step of gated full attention (Qwen3.5 / Qwen3-Next) for M sequences of one new token each:
 // per head RMSNorm of q and k, partial rope, the new key / value written into the cache, attention over the
 // cache row up to and including the new token, and the output gate sigmoid(g). One call instead of ~40 small
@@ -117,6 +124,7 @@ void attention_step(torch::Tensor proj, torch::Tensor q_norm, torch::Tensor k_no
       scores.assign(group * (n + 1), 0.f);
       for (int64_t t = 0; t <= n; ++t) {
         const float* kt = keys + t * nkv * hd;
+        if (t + kRowsAhead <= n) prefetch_row(kt + kRowsAhead * nkv * hd, hd);
         for (int64_t h = 0; h < group; ++h) {
           const float* qh = q.data() + h * hd;
           float d = 0.f;
@@ -128,14 +136,19 @@ void attention_step(torch::Tensor proj, torch::Tensor q_norm, torch::Tensor k_no
       for (int64_t h = 0; h < group; ++h) {  // softmax over the visible keys
         float* sc = scores.data() + h * (n + 1);
         const float mx = *std::max_element(sc, sc + n + 1);
+#pragma omp simd
+        for (int64_t t = 0; t <= n; ++t) sc[t] = std::exp(sc[t] - mx);
         float sum = 0.f;
-        for (int64_t t = 0; t <= n; ++t) sum += (sc[t] = std::exp(sc[t] - mx));
-        for (int64_t t = 0; t <= n; ++t) sc[t] /= sum;
+        for (int64_t t = 0; t <= n; ++t) sum += sc[t];
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t <= n; ++t) sc[t] *= inv;
       }
       float* o = op + m * nh * hd + j * group * hd;
       std::fill(o, o + group * hd, 0.f);
       for (int64_t t = 0; t <= n; ++t) {
         const float* vt = vals + t * nkv * hd;
+        if (t + kRowsAhead <= n) prefetch_row(vt + kRowsAhead * nkv * hd, hd);
         for (int64_t h = 0; h < group; ++h) {
           const float p = scores[h * (n + 1) + t];
           float* oh = o + h * hd;
