@@ -19,7 +19,7 @@ from deltaserve.ops import fused
 # from memory once and is widened in registers); above it a float32 GEMM on the widened weight is faster.
 _GEMV_ROWS = 16
 Q8_BLOCK = 32  # weights per scale in a Q8_0 row
-_DEQUANT_ROWS = 1024  # output rows widened at a time for a GEMM on a float16 / Q8_0 weight
+_DEQUANT_BYTES = 4 << 20  # a GEMM on a float16 / Q8_0 weight widens this much of it at a time
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -38,15 +38,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             fused.extension().linear_f16(rows.contiguous(), weight.contiguous(), y)
         y = y.view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias.to(y.dtype)
-    if weight.shape[0] <= _DEQUANT_ROWS:
+    step = max(64, _DEQUANT_BYTES // (x.element_size() * weight.shape[1]))  # output rows per block
+    if weight.shape[0] <= step:
         return F.linear(x, dequantize(weight, x.dtype), None if bias is None else bias.to(x.dtype))
     # Widened a block of output rows at a time: the temporary stays a few MB (not 1 GB for a 248k-row
     # output head) and hot in cache for its GEMM, which measured as fast or faster than one GEMM here.
     y = x.new_empty(*x.shape[:-1], weight.shape[0])
     y2 = y.view(-1, weight.shape[0])
-    for r in range(0, weight.shape[0], _DEQUANT_ROWS):
-        block = dequantize(part(weight, slice(r, r + _DEQUANT_ROWS)), x.dtype)
-        torch.mm(rows, block.T, out=y2[:, r:r + _DEQUANT_ROWS])
+    for r in range(0, weight.shape[0], step):
+        torch.mm(rows, dequantize(part(weight, slice(r, r + step)), x.dtype).T, out=y2[:, r:r + step])
     return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -55,8 +55,8 @@ def dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if weight.dtype != torch.int8:
         return weight.to(dtype)
     N, K = weight.shape
-    blocks = weight.view(N, K // Q8_BLOCK, Q8_BLOCK).to(dtype) * weight.scale.to(dtype)[..., None]
-    return blocks.view(N, K)
+    blocks = weight.view(N, K // Q8_BLOCK, Q8_BLOCK).to(dtype)
+    return blocks.mul_(weight.scale.to(dtype)[..., None]).view(N, K)  # in place: one temporary, not two
 
 
 def embed_tokens(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

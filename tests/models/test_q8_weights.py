@@ -7,6 +7,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
+from deltaserve.models import layers
 from deltaserve.models.layers import dequantize, embed_tokens, linear, quantize_q8
 
 
@@ -42,11 +43,12 @@ def test_values_not_in_q8_form_are_refused(case):
     assert quantize_q8(w) is None
 
 
-# the kernels up to 16 activation rows, then a GEMM; over 1024 output rows the GEMM widens blocks of rows
+# the kernels up to 16 activation rows, then a GEMM, which widens blocks of 100 output rows here
 @pytest.mark.parametrize("out_rows", [37, 2500], ids=lambda n: f"out{n}")
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40], ids=lambda r: f"rows{r}")
 @pytest.mark.parametrize("form", ["q8_0", "float16"])
-def test_linear_with_narrow_weight_matches_float64(form, rows, out_rows):
+def test_linear_with_narrow_weight_matches_float64(form, rows, out_rows, monkeypatch):
+    monkeypatch.setattr(layers, "_DEQUANT_BYTES", 100 * 96 * 4)
     w, _ = q8_values(out_rows, 96, seed=1)
     if form == "q8_0":
         p = quantize_q8(w)
