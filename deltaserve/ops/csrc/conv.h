@@ -10,8 +10,8 @@
 
 namespace deltaserve {
 
-// The conv for exactly one token of each of N sequences, kernel width 4: a few microseconds of work, less than waking
-// a second thread or laying the weight out tap-major would cost.
+// The conv for exactly one token of each of N sequences, kernel width 4: a few microseconds of work, less
+// than waking a second thread or laying the weight out tap-major would cost.
 void conv_step4(const float* xp, int64_t xs, const float* wp, const float* bp, float* sp, const int64_t* cu,
                 const int64_t* idx, float* op, int64_t N, int64_t C, bool silu) {
   constexpr int64_t CB = 64;
@@ -44,8 +44,9 @@ void conv_step4(const float* xp, int64_t xs, const float* wp, const float* bp, f
   }
 }
 
-// Short causal depthwise conv with its state. x [T, C] (rows any stride apart); weight [C, W]; bias [C] or empty; state [S, W-1, C]
-// (in/out, the last W-1 inputs, oldest first); cu_seqlens [N + 1]; state_idx [N] or empty; out [T, C].
+// Short causal depthwise conv with its state. x [T, C] (rows any stride apart); weight [C, W]; bias [C] or
+// empty; state [S, W-1, C] (in/out, the last W-1 inputs, oldest first); cu_seqlens [N + 1]; state_idx [N] or
+// empty; out [T, C].
 // Threads over (sequence, block of channels); each task first lays its block of the weight out tap-major,
 // so the channel loops are contiguous (a transposed copy in torch cost more than a decode step's conv).
 void conv_forward(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor state,
