@@ -54,7 +54,7 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.in_proj(x).split([self.conv_dim, HV * V, HV, HV], dim=-1)
         tape = conv_tape(conv_state, slots, qkv) if snapshots else None
         qkv, _ = causal_conv1d(qkv, self.conv_weight, conv_state=conv_state, state_indices=slots, inplace=cached,
-                               activation="silu")
+                               activation="silu", out=qkv if cached else None)  # inference: over its input
         q, k, v = qkv.split([H * K, H * K, HV * V], dim=-1)
         beta = torch.sigmoid(b.float())  # [N, T, HV]
         g = self.A * F.softplus(a.float() + self.dt_bias)  # [N, T, HV] log-decay <= 0

@@ -14,10 +14,11 @@ from .checks import check_cu_seqlens, check_reset, check_state_indices, fail
 
 
 def causal_conv1d(x, weight, bias=None, *, conv_state=None, reset=None, cu_seqlens=None, state_indices=None,
-                  inplace=False, activation="silu", backend="auto"):
+                  inplace=False, activation="silu", backend="auto", out=None):
     """y[t, c] = act(bias[c] + sum_w weight[c, w] * x[t - (W-1) + w, c]), inputs before the sequence taken
     from conv_state. state_indices [N]: conv_state is a cache of S slots, sequence n uses slot state_indices[n].
     backend: "torch", "fused" (the C++ CPU kernel, float32) or "auto" (fused on CPU where it compiled).
+    out: a tensor like x to write y into, x itself allowed (inference: saves a buffer the size of x).
     Returns (y [B, T, C] in x's dtype, new conv state [N, W-1, C], or the whole cache when inplace)."""
     if x.dim() != 3:
         fail("x", "must be [B, T, C]", x=x)
@@ -41,6 +42,8 @@ def causal_conv1d(x, weight, bias=None, *, conv_state=None, reset=None, cu_seqle
         fail("conv_state", f"must be on {x.device}", conv_state=conv_state)
     if inplace and conv_state is None:
         raise ValueError("inplace=True needs a conv_state to write into")
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
+        fail("out", "must have x's shape, dtype and device", x=x, out=out)
     reset = check_reset(reset, N, x.device)
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (x, weight, bias, conv_state))
@@ -68,7 +71,8 @@ def causal_conv1d(x, weight, bias=None, *, conv_state=None, reset=None, cu_seqle
 
     if backend == "fused":
         cu = fused.dense_cu_seqlens(B, T) if cu_seqlens is None else cu_seqlens.to("cpu", torch.int64)
-        y = torch.empty(B * T, Ch, dtype=dtype)
+        # the kernel writes rows any stride apart, so out is used where it lies if it is float32 rows
+        y = out.reshape(B * T, Ch) if _rows_view(out, dtype) else torch.empty(B * T, Ch, dtype=dtype)
         idx = state_indices if direct and state_indices is not None else fused.EMPTY_I64
         rows = x.reshape(B * T, Ch)  # tokens may lie any stride apart (a slice of a projection's output)
         if rows.dtype != dtype or rows.stride(1) != 1:
@@ -87,7 +91,17 @@ def causal_conv1d(x, weight, bias=None, *, conv_state=None, reset=None, cu_seqle
             conv_state.index_copy_(0, state_indices, new_state.to(conv_state.dtype))
     if inplace:
         new_state = conv_state
-    return y.to(x.dtype), new_state
+    if out is None:
+        return y.to(x.dtype), new_state
+    if y.data_ptr() != out.data_ptr():
+        out.copy_(y)
+    return out, new_state
+
+
+def _rows_view(t, dtype) -> bool:
+    """Whether t [B, T, C] is float rows of `dtype` that reshape to [B * T, C] as a view (one stride per row)."""
+    return (t is not None and t.dtype == dtype and t.stride(-1) == 1
+            and (t.shape[0] == 1 or t.shape[1] == 1 or t.stride(0) == t.shape[1] * t.stride(1)))
 
 
 def _conv_torch(x, weight, bias, state, cu_seqlens, activation):

@@ -89,7 +89,8 @@ def test_bfloat16_input_keeps_dtype(conv_backend):
     (dict(conv_state=torch.zeros(1, 4, 6)), r"conv_state must be \[N, W-1, C\] = \[1, 3, 6\]"),
     (dict(activation="gelu"), r"activation must be None or 'silu'"),
     (dict(inplace=True), r"inplace=True needs a conv_state"),
-], ids=["x_rank", "weight", "state", "activation", "inplace"])
+    (dict(out=torch.zeros(1, 5, 7)), r"out must have x's shape, dtype and device"),
+], ids=["x_rank", "weight", "state", "activation", "inplace", "out"])
 def test_bad_arguments(kwargs, match):
     args = dict(x=torch.zeros(1, 5, 6), weight=torch.zeros(6, 4))
     args.update(kwargs)
@@ -137,3 +138,18 @@ def test_input_sliced_from_a_wider_projection(conv_backend, T):
         history = torch.cat([state[b], x[b]])
         torch.testing.assert_close(y[b].double(), torch_reference(history, w, None), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(new_state[b], history[-(W - 1):])
+
+
+@pytest.mark.parametrize("T", [1, 6], ids=lambda t: f"T{t}")
+def test_output_over_its_input(conv_backend, T):
+    """out=x: the conv writes over its input (a slice of a wider row), as a model's decode and prefill do."""
+    B, C, W = 2, 70, 4
+    wide = torch.randn(B, T, C + 9)
+    x, w, state = wide[..., :C], torch.randn(C, W), torch.randn(B, W - 1, C)
+    expected, expected_state = causal_conv1d(x.clone(), w, conv_state=state.clone(), backend="torch")
+    tail = wide[..., C:].clone()
+    y, new_state = causal_conv1d(x, w, conv_state=state, backend=conv_backend, out=x)
+    assert y.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(x, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(new_state, expected_state)
+    assert torch.equal(wide[..., C:], tail)  # the rest of each row untouched

@@ -13,7 +13,7 @@ namespace deltaserve {
 // The conv for exactly one token of each of N sequences, kernel width 4: a few microseconds of work, less
 // than waking a second thread or laying the weight out tap-major would cost.
 void conv_step4(const float* xp, int64_t xs, const float* wp, const float* bp, float* sp, const int64_t* cu,
-                const int64_t* idx, float* op, int64_t N, int64_t C, bool silu) {
+                const int64_t* idx, float* op, int64_t os, int64_t N, int64_t C, bool silu) {
   constexpr int64_t CB = 64;
   alignas(64) float y[CB];
   for (int64_t n = 0; n < N; ++n) {
@@ -23,7 +23,7 @@ void conv_step4(const float* xp, int64_t xs, const float* wp, const float* bp, f
       const int64_t cb = std::min(CB, C - c0);
       const float* __restrict__ w = wp + 4 * c0;
       float *__restrict__ s0 = st + c0, *__restrict__ s1 = s0 + C, *__restrict__ s2 = s1 + C;
-      const float* __restrict__ xt = xp + t * xs + c0;
+      const float* xt = xp + t * xs + c0;  // may be ot: each input is read before its output is written
 #pragma omp simd
       for (int64_t c = 0; c < cb; ++c) {
         y[c] = w[4 * c] * s0[c] + w[4 * c + 1] * s1[c] + w[4 * c + 2] * s2[c] + w[4 * c + 3] * xt[c];
@@ -33,7 +33,7 @@ void conv_step4(const float* xp, int64_t xs, const float* wp, const float* bp, f
       }
       if (bp)
         for (int64_t c = 0; c < cb; ++c) y[c] += bp[c0 + c];
-      float* __restrict__ ot = op + t * C + c0;
+      float* ot = op + t * os + c0;
       if (silu) {
 #pragma omp simd
         for (int64_t c = 0; c < cb; ++c) ot[c] = y[c] / (1.f + std::exp(-y[c]));
@@ -46,7 +46,7 @@ void conv_step4(const float* xp, int64_t xs, const float* wp, const float* bp, f
 
 // Short causal depthwise conv with its state. x [T, C] (rows any stride apart); weight [C, W]; bias [C] or
 // empty; state [S, W-1, C] (in/out, the last W-1 inputs, oldest first); cu_seqlens [N + 1]; state_idx [N] or
-// empty; out [T, C].
+// empty; out [T, C] (rows any stride apart; it may be x itself).
 // Threads over (sequence, block of channels); each task first lays its block of the weight out tap-major,
 // so the channel loops are contiguous (a transposed copy in torch cost more than a decode step's conv).
 void conv_forward(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor state,
@@ -58,12 +58,13 @@ void conv_forward(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, tor
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   float* sp = state.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  const int64_t os = out.stride(0);
   const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
   const int64_t* idx = state_idx.numel() ? state_idx.data_ptr<int64_t>() : nullptr;
   bool one_each = W == 4;
   for (int64_t n = 0; n < N && one_each; ++n) one_each = cu[n + 1] - cu[n] == 1;
   if (one_each) {  // one token per sequence (decode): no blocks, no threads
-    conv_step4(xp, xs, wsrc, bp, sp, cu, idx, op, N, C, silu);
+    conv_step4(xp, xs, wsrc, bp, sp, cu, idx, op, os, N, C, silu);
     return;
   }
   constexpr int64_t CB = 256;
@@ -92,7 +93,7 @@ void conv_forward(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, tor
         for (int64_t w = 0; w + 1 < W - 1; ++w)  // slide the window by one input
           std::copy(hist.begin() + (w + 1) * CB, hist.begin() + (w + 1) * CB + cb, hist.begin() + w * CB);
         if (W > 1) std::copy(xt, xt + cb, hist.begin() + (W - 2) * CB);
-        float* ot = op + t * C + c0;
+        float* ot = op + t * os + c0;
 #pragma omp simd
         for (int64_t c = 0; c < cb; ++c) ot[c] = silu ? y[c] / (1.f + std::exp(-y[c])) : y[c];
       }
