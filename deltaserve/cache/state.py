@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from deltaserve.errors import DeltaserveError
+from deltaserve.loader.memory import lazy_zeros
 
 
 @dataclass
@@ -63,8 +64,9 @@ class HybridState:
         if n_slots < 1 or max_len < 1:
             raise DeltaserveError(f"state needs n_slots >= 1 and max_len >= 1, got {n_slots} and {max_len}")
 
-        def zeros(*shape, dtype=dtype):
-            return torch.zeros(shape, dtype=dtype, device=device)
+        def zeros(*shape, dtype=dtype):  # on CPU in pages that count only once written
+            cpu = torch.device(device).type == "cpu"
+            return lazy_zeros(shape, dtype) if cpu else torch.zeros(shape, dtype=dtype, device=device)
 
         return cls(
             conv=[zeros(n_slots, *conv) if r else None for r in recurrent],
@@ -87,16 +89,19 @@ class HybridState:
         return [t for group in (self.conv, self.ssm, self.k, self.v) for t in group if t is not None]
 
     def reset(self, slots: Sequence[int] | torch.Tensor | None = None) -> None:
-        """Forget the sequences in `slots` (all slots when None): zero their tensors and lengths."""
+        """Forget the sequences in `slots` (all slots when None): zero their recurrent state and length. Their
+        KV entries stay as they are: attention never reads past a slot's length, and writing a whole slot of
+        max_len zeros would make memory resident that the cache otherwise takes only as it fills."""
+        recurrent = [t for t in self.conv + self.ssm if t is not None]
         if slots is None:
-            for t in self.tensors():
+            for t in recurrent:
                 t.zero_()
             self.lengths.zero_()
             return
         idx = torch.as_tensor(slots, dtype=torch.long, device=self.lengths.device).reshape(-1)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.n_slots):
             raise DeltaserveError(f"reset: slots {idx.tolist()} out of range [0, {self.n_slots})")
-        for t in self.tensors():
+        for t in recurrent:
             t.index_fill_(0, idx.to(t.device), 0)
         self.lengths.index_fill_(0, idx, 0)
 

@@ -50,12 +50,26 @@ def weight_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     "always" or "madvise"). Decode streams every weight once a token: with 4 KB pages the float16 GEMVs of a
     0.8B model's layers reached 16-22 GB/s here, with 2 MB pages 22-25 (fewer TLB misses, and the hardware
     prefetchers stop at page ends). The memory goes back to the system when the tensor is freed."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < _HUGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory would not take THP
-    try:
-        buf.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: pages already faulted in stay small
-    except OSError:
-        pass  # THP off or unsupported: ordinary pages
-    return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)  # keeps buf alive
+    return _anonymous(shape, dtype, huge=True)
+
+
+def lazy_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose pages take memory only once written: a KV cache sized for max_len tokens
+    in every slot costs what its sequences have filled, not its capacity (torch.zeros writes it all)."""
+    return _anonymous(shape, dtype, huge=False, zeroed=True)
+
+
+def _anonymous(shape, dtype: torch.dtype, huge: bool, zeroed: bool = False) -> torch.Tensor:
+    """Private anonymous memory (zero-filled by the kernel, freed with the tensor); below 2 MB, or off Linux,
+    the ordinary allocator."""
+    numel = math.prod(shape)
+    if numel * dtype.itemsize < _HUGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype) if zeroed else torch.empty(shape, dtype=dtype)
+    # private: shared anonymous memory would not take THP
+    buf = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge:
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: pages already faulted in stay small
+        except OSError:
+            pass  # THP off or unsupported: ordinary pages
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)  # keeps buf alive

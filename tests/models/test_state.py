@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -32,9 +34,31 @@ def test_reset_only_touches_given_slots():
     s.lengths.fill_(5)
     s.reset([0, 2])
     assert s.lengths.tolist() == [0, 5, 0]
-    for t in s.tensors():
+    recurrent = [t for t in s.conv + s.ssm if t is not None]
+    for t in recurrent:
         assert t[0].eq(0).all() and t[2].eq(0).all() and t[1].eq(1).all()
+    assert all(t.eq(1).all() for t in s.k + s.v if t is not None)  # KV past a length is never read
     s.reset()
-    assert all(t.eq(0).all() for t in s.tensors()) and s.lengths.eq(0).all()
+    assert all(t.eq(0).all() for t in recurrent) and s.lengths.eq(0).all()
     with pytest.raises(DeltaserveError, match="out of range"):
         s.reset([3])
+
+
+def _rss_mb() -> float | None:
+    try:
+        return next(int(line.split()[1]) / 1024 for line in Path("/proc/self/status").read_text().splitlines()
+                    if line.startswith("VmRSS"))
+    except (OSError, StopIteration):
+        return None
+
+
+def test_kv_cache_takes_memory_as_it_fills():
+    """A CPU KV cache sized for many long slots (32 MB here) takes memory only where it is written."""
+    before = _rss_mb()
+    if before is None:
+        pytest.skip("no /proc/self/status to read the resident memory from")
+    s = HybridState.allocate([False], n_slots=8, max_len=4096, conv=(3, 4), ssm=(1, 1, 1), k=(2, 64), v=(2, 64))
+    s.k[0][3, 10] = 1.5
+    s.reset()
+    assert _rss_mb() - before < 8
+    assert s.k[0][3, 10].eq(1.5).all() and s.k[0].sum() == 1.5 * 2 * 64 and not s.v[0].any()
