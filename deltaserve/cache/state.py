@@ -89,20 +89,21 @@ class HybridState:
         return [t for group in (self.conv, self.ssm, self.k, self.v) for t in group if t is not None]
 
     def reset(self, slots: Sequence[int] | torch.Tensor | None = None) -> None:
-        """Forget the sequences in `slots` (all slots when None): zero their recurrent state and length. Their
-        KV entries stay as they are: attention never reads past a slot's length, and writing a whole slot of
-        max_len zeros would make memory resident that the cache otherwise takes only as it fills."""
-        recurrent = [t for t in self.conv + self.ssm if t is not None]
+        """Forget the sequences in `slots` (all slots when None): zero their recurrent state, their KV entries
+        up to their length, and the length. Attention never reads past a slot's length; zeroing whole slots of
+        max_len would make memory resident that the cache otherwise takes only as it fills."""
         if slots is None:
-            for t in recurrent:
-                t.zero_()
-            self.lengths.zero_()
-            return
+            slots = range(self.n_slots)
         idx = torch.as_tensor(slots, dtype=torch.long, device=self.lengths.device).reshape(-1)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.n_slots):
             raise DeltaserveError(f"reset: slots {idx.tolist()} out of range [0, {self.n_slots})")
-        for t in recurrent:
-            t.index_fill_(0, idx.to(t.device), 0)
+        for t in self.conv + self.ssm:
+            if t is not None:
+                t.index_fill_(0, idx.to(t.device), 0)
+        for slot, length in zip(idx.tolist(), self.lengths[idx].tolist()):
+            for t in self.k + self.v:
+                if t is not None:
+                    t[slot, :length].zero_()
         self.lengths.index_fill_(0, idx, 0)
 
     def nbytes(self) -> int:

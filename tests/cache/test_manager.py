@@ -87,9 +87,7 @@ def test_a_freed_slot_taken_by_another_prompt_starts_clean(loaded):
     other = rand(model, 21, seed=6)
     slot2, reused = runner.acquire(other)
     assert (slot2, reused) == (slot, 0) and runner.history[slot] == []
-    recurrent = [t for t in runner.state.conv + runner.state.ssm if t is not None]
-    assert all(not t[slot].any() for t in recurrent) and int(runner.state.lengths[slot]) == 0
-    assert any(t[slot].any() for t in runner.state.k if t is not None)  # stale keys stay, never read
+    assert all(not t[slot].any() for t in runner.state.tensors()) and int(runner.state.lengths[slot]) == 0
     logits = runner.forward([slot], [other], logits="all")[0]
     torch.testing.assert_close(logits, fresh_logits(model, other), atol=1e-5, rtol=1e-5)
 

@@ -34,12 +34,14 @@ def test_reset_only_touches_given_slots():
     s.lengths.fill_(5)
     s.reset([0, 2])
     assert s.lengths.tolist() == [0, 5, 0]
-    recurrent = [t for t in s.conv + s.ssm if t is not None]
+    recurrent, kv = [t for t in s.conv + s.ssm if t is not None], [t for t in s.k + s.v if t is not None]
     for t in recurrent:
         assert t[0].eq(0).all() and t[2].eq(0).all() and t[1].eq(1).all()
-    assert all(t.eq(1).all() for t in s.k + s.v if t is not None)  # KV past a length is never read
+    for t in kv:  # up to the length; past it nothing is read
+        assert t[[0, 2], :5].eq(0).all() and t[[0, 2], 5:].eq(1).all() and t[1].eq(1).all()
     s.reset()
     assert all(t.eq(0).all() for t in recurrent) and s.lengths.eq(0).all()
+    assert all(t[:, :5].eq(0).all() for t in kv)
     with pytest.raises(DeltaserveError, match="out of range"):
         s.reset([3])
 
