@@ -113,8 +113,12 @@ class HybridState:
     def truncate(self, slot: int, length: int) -> None:
         """Cut the slot's KV cache to its first `length` tokens. The recurrent state is left as it is: the
         caller sets it to match (load_recurrent, rollback) or the slot is reset."""
-        if not 0 <= length <= int(self.lengths[slot]):
-            raise DeltaserveError(f"truncate: slot {slot} holds {int(self.lengths[slot])} tokens, cannot cut to {length}")
+        old = int(self.lengths[slot])
+        if not 0 <= length <= old:
+            raise DeltaserveError(f"truncate: slot {slot} holds {old} tokens, cannot cut to {length}")
+        for t in self.k + self.v:  # past a length the cache holds zeros (see reset)
+            if t is not None:
+                t[slot, length:old].zero_()
         self.lengths[slot] = length
 
     def save_recurrent(self, slot: int) -> RecurrentCopy:

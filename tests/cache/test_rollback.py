@@ -95,5 +95,8 @@ def test_kv_rows_copy_out_and_in():
     for cache in s.k[1:] + s.v[1:]:
         assert torch.equal(cache[1, 3:8], cache[0, 2:7])
     s.lengths[1] = 8
+    kept = [cache[1, :3].clone() for cache in s.k[1:] + s.v[1:]]
     s.truncate(1, 3)  # the KV cache of slot 1 now ends after 3 tokens
     assert s.lengths.tolist() == [0, 3]
+    for cache, before in zip(s.k[1:] + s.v[1:], kept):  # zeros past the new length, the rest as it was
+        assert torch.equal(cache[1, :3], before) and not cache[1, 3:8].any()
