@@ -1,5 +1,5 @@
-"""Where loaded weights live: what the C allocator keeps of the temporaries freed while a checkpoint loads,
-and memory in huge pages for the weights themselves."""
+"""Memory outside torch's allocator: what glibc keeps of the temporaries freed while a checkpoint loads,
+huge-page memory for the weights themselves, and zeroed memory that is resident only once written (caches)."""
 
 from __future__ import annotations
 
