@@ -168,7 +168,9 @@ void run_task(const Args& a, int64_t w0, int64_t w1, int64_t n, int64_t hv, int6
     }
     const float *kt = kn + t * K, *qt = qn + t * K, *et = e + t * es;
     if (t + 1 == t1) {  // the decay applied to the stored rows: S[i] = c[i] e[i] S[i] + k[i] u
-      for (int64_t i = 0; i < K; ++i) {
+      // Bottom row up: the rows the previous sweep read last are the ones still in L1 (in place, a
+      // block's rows map onto a fraction of L1's sets and its first rows are evicted by its last).
+      for (int64_t i = K - 1; i >= 0; --i) {
         const float mi = c[PC ? i : 0] * et[PC ? i : 0], ki = kt[i], qi = qt[i];
         float* __restrict__ Si = S + i * ld;
 #pragma omp simd
@@ -250,14 +252,36 @@ void run_block(const Args& a, int64_t w0, int64_t w1, int64_t n, int64_t hv, int
   else run_task<0, PC>(a, w0, w1, n, hv, c0, width);
 }
 
-// q, k [..., T, H, K]; v [..., T, HV, V]; g [..., HV] or [..., HV, K]; beta [..., HV]; out like v: the
-// leading dims are the tokens of all sequences (B * T, packed). state [N, HV, K, V] (in/out); cu_seqlens
-// [N + 1] int64; state_idx [N] int64 (rows of state) or empty; snaps [N, n_snaps, HV, K, V] or empty.
-// All float tensors float32 and contiguous, except that the tokens of q, k and v may lie any stride
-// apart (slices of a projection's output), with a whole batch one stride per token.
-void gdr_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
-                 torch::Tensor state, torch::Tensor cu_seqlens, torch::Tensor state_idx, torch::Tensor out,
-                 torch::Tensor snaps, double scale, bool l2norm) {
+// x [B, T, heads, D] as the kernel reads it: float32 [..., tokens, heads, D], each token's heads x D
+// contiguous and the tokens one stride apart (stride(-3)). Slices of a projection's output pass as they
+// are; anything else becomes a float32 copy.
+inline torch::Tensor token_rows(const torch::Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(1), D = x.size(3);
+  if (x.scalar_type() == at::kFloat && x.stride(3) == 1 && x.stride(2) == D &&
+      (B == 1 || (T > 1 && x.stride(0) == T * x.stride(1))))
+    return x;
+  torch::Tensor y = x.reshape({-1, x.size(2), D});  // a view wherever one stride per token exists
+  if (y.scalar_type() != at::kFloat || y.stride(2) != 1 || y.stride(1) != D) y = y.to(at::kFloat).contiguous();
+  return y;
+}
+
+// q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV] or [B, T, HV, K]; beta [B, T, HV], any float dtype and
+// layout (converted here where the kernel cannot read them as they are); B * T tokens of all sequences in
+// order ([1, T] when packed). state [S, HV, K, V] float32 contiguous, advanced in place: sequence n owns
+// row state_idx[n] (row n without state_idx). cu_seqlens [N + 1] int64.
+// Returns (out float32 [B, T, HV, V], snaps [N, n_snaps, HV, K, V] newest first, or empty); both are
+// allocated here, so a decode step is one call from Python.
+std::tuple<torch::Tensor, torch::Tensor> gdr_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
+                                                     torch::Tensor beta, torch::Tensor state, torch::Tensor cu_seqlens,
+                                                     c10::optional<torch::Tensor> state_idx, int64_t n_snaps,
+                                                     double scale, bool l2norm) {
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);  // at::empty: torch::empty's autograd layer costs us
+  torch::Tensor out = at::empty(v.sizes(), f32);
+  q = token_rows(q);
+  k = token_rows(k);
+  v = token_rows(v);
+  g = g.to(at::kFloat).contiguous();
+  beta = beta.to(at::kFloat).contiguous();
   Args a;
   a.q = q.data_ptr<float>();
   a.k = k.data_ptr<float>();
@@ -269,17 +293,19 @@ void gdr_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tenso
   a.vs = v.stride(-3);
   a.state = state.data_ptr<float>();
   a.out = out.data_ptr<float>();
-  a.n_snaps = snaps.numel() ? snaps.size(1) : 0;
-  a.snaps = a.n_snaps ? snaps.data_ptr<float>() : nullptr;
   a.cu = cu_seqlens.data_ptr<int64_t>();
-  a.state_idx = state_idx.numel() ? state_idx.data_ptr<int64_t>() : nullptr;
+  if (state_idx) state_idx = state_idx->contiguous();
+  a.state_idx = state_idx ? state_idx->data_ptr<int64_t>() : nullptr;
   a.N = cu_seqlens.size(0) - 1;
+  a.n_snaps = n_snaps;
+  torch::Tensor snaps = at::empty({n_snaps ? a.N : 0, n_snaps, state.size(1), state.size(2), state.size(3)}, f32);
+  a.snaps = n_snaps ? snaps.data_ptr<float>() : nullptr;
   a.H = q.size(-2);
   a.HV = state.size(1);
   a.K = state.size(2);
   a.V = state.size(3);
   a.T = a.H * a.K ? q.numel() / (a.H * a.K) : 0;
-  a.per_channel = g.dim() == out.dim();  // g [..., HV, K] like out [..., HV, V], not [..., HV]
+  a.per_channel = g.numel() > a.T * a.HV;  // g [..., HV, K], not [..., HV]
   a.l2norm = l2norm;
   a.scale = static_cast<float>(scale);
   const int64_t K = a.K, V = a.V;
@@ -324,6 +350,7 @@ void gdr_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tenso
       else run_block<false>(a, w0, w1, n, hv, c0, width);
     }
   }
+  return {out, snaps};
 }
 
 }  // namespace deltaserve
