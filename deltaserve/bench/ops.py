@@ -28,10 +28,14 @@ def _peers():
 
 
 def _time(fn, budget_s: float) -> float:
-    """Median seconds per call: one warm-up, then repeats until the budget is spent (at least 3 calls)."""
+    """Median seconds per call: warm-up calls for a tenth of the budget (at least one: threads wake,
+    caches fill), then repeats until the budget is spent (at least 3 calls, at most 10,000)."""
+    start = time.perf_counter()
     fn()
+    while time.perf_counter() - start < budget_s / 10:
+        fn()
     times, start = [], time.perf_counter()
-    while len(times) < 3 or (time.perf_counter() - start < budget_s and len(times) < 200):
+    while len(times) < 3 or (time.perf_counter() - start < budget_s and len(times) < 10_000):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
