@@ -17,7 +17,7 @@ from torch import nn
 
 from deltaserve.cache.state import HybridState, Snapshots
 from deltaserve.models.config import KimiConfig
-from deltaserve.models.layers import MLP, Linear, RMSNorm, SigmoidMoE, cached_attention, embed_tokens
+from deltaserve.models.layers import MLP, Embedding, Linear, RMSNorm, SigmoidMoE, cached_attention
 from deltaserve.models.common import build, check_batch, fetch, fetch_rows, lm_logits
 from deltaserve.models.qwen import conv_tape
 from deltaserve.ops import causal_conv1d, gated_delta_rule
@@ -133,7 +133,7 @@ class KimiModel(nn.Module):
         super().__init__()
         self.config = config
         self.compute_dtype = torch.float32  # activations, caches; weights may be stored narrower
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size,
@@ -174,7 +174,7 @@ class KimiModel(nn.Module):
         start = state.lengths[slots]  # [N] tokens already in each slot
         snaps = Snapshots(slots.tolist(), (start + T).tolist(), T, snapshots, [None] * len(self.layers),
                           [None] * len(self.layers)) if snapshots else None
-        h = embed_tokens(self.embed.weight, input_ids, self.compute_dtype)
+        h = self.embed(input_ids, self.compute_dtype)
         for i, layer in enumerate(self.layers):
             x = layer.input_norm(h)
             if layer.recurrent and snaps is not None:

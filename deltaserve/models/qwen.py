@@ -17,8 +17,7 @@ from torch import nn
 from deltaserve.cache.state import HybridState, Snapshots
 from deltaserve.models.common import build, check_batch, check_ids, fetch, fetch_rows, lm_logits
 from deltaserve.models.config import QwenConfig
-from deltaserve.models.layers import (MLP, GatedAttention, Linear, RMSNorm, RotaryEmbedding, SparseMoE,
-                                      embed_tokens)
+from deltaserve.models.layers import MLP, Embedding, GatedAttention, Linear, RMSNorm, RotaryEmbedding, SparseMoE
 from deltaserve.ops import causal_conv1d, gated_delta_rule
 
 
@@ -95,7 +94,7 @@ class QwenModel(nn.Module):
         super().__init__()
         self.config = config
         self.compute_dtype = torch.float32  # activations, caches; weights may be stored narrower
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size,
@@ -151,7 +150,7 @@ class QwenModel(nn.Module):
     def _trunk(self, input_ids, positions, state: HybridState | None, slots, start, logits: str,
                snaps: Snapshots | None = None) -> torch.Tensor:
         cos, sin = self.rotary(positions)
-        h = embed_tokens(self.embed.weight, input_ids, self.compute_dtype)
+        h = self.embed(input_ids, self.compute_dtype)
         for i, layer in enumerate(self.layers):
             x = layer.input_norm(h)
             if layer.recurrent and snaps is not None:
