@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -59,46 +60,86 @@ def build(cls, config_cls, weights_from_gguf, weights_from_hf, ckpt, *, dtype: t
     return model.eval()
 
 
-class RowReader:
-    """A large checkpoint tensor [R, C] handed over a block of rows at a time, each block dequantised to
-    float32 on its own: while it is stored in 16 or 8 bits, a 248k-row embedding never exists whole in
-    float32 (1 GB at hidden size 1024, 4 GB at 4096). Slicing rows gives float32 tensors."""
+class Rows:
+    """A float32 matrix [R, C] handed over a block of rows at a time: rows of checkpoint tensors, read and
+    dequantised as they are asked for, stacked. While the weights are stored in 16 or 8 bits, neither a
+    248k-row embedding (1 GB of float32 at hidden size 1024) nor a fused projection (q | k | v | z | b | a)
+    ever exists whole in float32. Slicing rows gives float32 tensors."""
 
     BLOCK = 2048  # rows per block
+    dtype = torch.float32
 
-    def __init__(self, ckpt, name: str, shape: tuple[int, int]):
-        self.ckpt, self.name, self.shape, self.dtype = ckpt, name, shape, torch.float32
+    def __init__(self, parts: list[tuple[Callable[[int, int], torch.Tensor], int, int]], cols: int):
+        self.parts = parts  # (read(start, end) -> rows of a source, first row, end row)
+        self.shape = (sum(hi - lo for _, lo, hi in parts), cols)
+
+    @classmethod
+    def stack(cls, items: Sequence[Rows | torch.Tensor]) -> Rows:
+        """Rows or tensors [r, C], one after the other (a tensor is sliced where it lies)."""
+        parts = []
+        for x in items:
+            parts += x.parts if isinstance(x, Rows) else [(lambda s, e, x=x: x[s:e].float(), 0, x.shape[0])]
+        return cls(parts, items[0].shape[1])
+
+    def split(self, sizes: Sequence[int]) -> list[Rows]:
+        """Consecutive row ranges of these sizes, as Rows (torch.split's meaning)."""
+        out, start = [], 0
+        for n in sizes:
+            out.append(Rows(self._parts(start, start + n), self.shape[1]))
+            start += n
+        return out
 
     def dim(self) -> int:
         return 2
 
     def __getitem__(self, rows: slice) -> torch.Tensor:
         start, end, _ = rows.indices(self.shape[0])
-        return self.ckpt.load_rows(self.name, start, end)
+        pieces = [read(lo, hi) for read, lo, hi in self._parts(start, max(start, end))]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces else torch.empty(0, self.shape[1])
 
     def blocks(self):
         for r in range(0, self.shape[0], self.BLOCK):
             yield r, self[r:r + self.BLOCK]
 
+    def _parts(self, start: int, end: int):
+        """The sources' row ranges that make up rows start:end."""
+        out, at = [], 0
+        for read, lo, hi in self.parts:
+            a, b = max(start, at), min(end, at + hi - lo)
+            if a < b:
+                out.append((read, lo + a - at, lo + b - at))
+            at += hi - lo
+        return out
 
-def fetch_rows(ckpt, name: str, rows: int, cols: int) -> torch.Tensor | RowReader:
-    """Tensor `name` [rows, cols] to be read a block of rows at a time where the checkpoint allows (GGUF), for
-    the embedding and output head; elsewhere as fetch() gives it."""
+
+def dense(t: torch.Tensor | Rows) -> torch.Tensor:
+    """t as one float32 tensor (for the weight functions' reorders, which need it whole)."""
+    return t[:] if isinstance(t, Rows) else t
+
+
+def fetch_rows(ckpt, name: str, rows: int, cols: int) -> torch.Tensor | Rows:
+    """Tensor `name` [rows, cols] to be read a block of rows at a time where the checkpoint allows (GGUF);
+    elsewhere as fetch() gives it."""
     if hasattr(ckpt, "load_rows") and ckpt.has(name) and tuple(ckpt.shape(name)) == (rows, cols):
-        return RowReader(ckpt, name, (rows, cols))
+        return Rows([(lambda s, e: ckpt.load_rows(name, s, e), 0, rows)], cols)
     return fetch(ckpt, name, rows, cols)
 
 
-def _fits(t: torch.Tensor | RowReader, dtype: torch.dtype) -> bool:
+def stack_rows(items: Sequence[Rows | torch.Tensor]) -> torch.Tensor | Rows:
+    """torch.cat of 2-D weights along rows, lazily where any of them is Rows."""
+    return Rows.stack(items) if any(isinstance(x, Rows) for x in items) else torch.cat(list(items))
+
+
+def _fits(t: torch.Tensor | Rows, dtype: torch.dtype) -> bool:
     """Whether every value of t survives a round trip through dtype."""
-    blocks = t.blocks() if isinstance(t, RowReader) else [(0, t)]
+    blocks = t.blocks() if isinstance(t, Rows) else [(0, t)]
     return all(torch.equal(b.to(dtype).to(b.dtype), b) for _, b in blocks)
 
 
-def _store(t: torch.Tensor | RowReader, dtype: torch.dtype, device) -> torch.Tensor:
+def _store(t: torch.Tensor | Rows, dtype: torch.dtype, device) -> torch.Tensor:
     """t as a new tensor of dtype on device (weights on CPU in huge-page memory, see weight_empty)."""
     cpu = torch.device(device).type == "cpu"
-    if not isinstance(t, RowReader):
+    if not isinstance(t, Rows):
         return weight_empty(t.shape, dtype).copy_(t) if cpu else t.to(device=device, dtype=dtype)
     out = weight_empty(t.shape, dtype) if cpu else torch.empty(t.shape, dtype=dtype, device=device)
     for r, block in t.blocks():

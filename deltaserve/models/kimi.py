@@ -18,7 +18,7 @@ from torch import nn
 from deltaserve.cache.state import HybridState, Snapshots
 from deltaserve.models.config import KimiConfig
 from deltaserve.models.layers import MLP, Embedding, Linear, RMSNorm, SigmoidMoE, cached_attention
-from deltaserve.models.common import build, check_batch, fetch, fetch_rows, lm_logits
+from deltaserve.models.common import build, check_batch, fetch, fetch_rows, lm_logits, stack_rows
 from deltaserve.models.qwen import conv_tape
 from deltaserve.ops import causal_conv1d, gated_delta_rule
 
@@ -282,6 +282,9 @@ def _weights_from_gguf(ckpt, cfg: KimiConfig) -> Iterator[tuple[str, torch.Tenso
     def w(name, *shape):
         return fetch(ckpt, name, *shape)
 
+    def rows(name, *shape):  # a large 2-D weight: read a block of rows at a time when it is stored
+        return fetch_rows(ckpt, name, *shape)
+
     yield "embed.weight", fetch_rows(ckpt, "token_embd.weight", cfg.vocab_size, E)
     yield "norm.weight", w("output_norm.weight", E)
     if not cfg.tie_word_embeddings:
@@ -292,16 +295,17 @@ def _weights_from_gguf(ckpt, cfg: KimiConfig) -> Iterator[tuple[str, torch.Tenso
         yield dst + "input_norm.weight", w(b + "attn_norm.weight", E)
         yield dst + "post_norm.weight", w(b + "ffn_norm.weight", E)
         if kind == "linear_attention":
-            yield m + "in_proj.weight", torch.cat([
-                w(b + "attn_q.weight", H * D, E), w(b + "attn_k.weight", H * D, E), w(b + "attn_v.weight", H * D, E),
-                w(b + "ssm_f_a.weight", D, E), w(b + "ssm_g_a.weight", D, E), w(b + "ssm_beta.weight", H, E)])
+            yield m + "in_proj.weight", stack_rows([
+                rows(b + "attn_q.weight", H * D, E), rows(b + "attn_k.weight", H * D, E),
+                rows(b + "attn_v.weight", H * D, E), w(b + "ssm_f_a.weight", D, E), w(b + "ssm_g_a.weight", D, E),
+                w(b + "ssm_beta.weight", H, E)])
             yield m + "conv_weight", torch.cat([w(b + f"ssm_conv1d_{x}.weight", H * D, W) for x in "qkv"])
             yield m + "f_b.weight", w(b + "ssm_f_b.weight", H * D, D)
             yield m + "g_b.weight", w(b + "ssm_g_b.weight", H * D, D)
             yield m + "dt_bias", w(b + "ssm_dt.bias", H * D)
             yield m + "A", w(b + "ssm_a", H)
             yield m + "norm.weight", w(b + "ssm_norm.weight", D)
-            yield m + "out_proj.weight", w(b + "attn_output.weight", E, H * D)
+            yield m + "out_proj.weight", rows(b + "attn_output.weight", E, H * D)
         else:
             if cfg.q_lora_rank:
                 yield m + "q_a.weight", w(b + "attn_q_a.weight", cfg.q_lora_rank, E)
@@ -318,11 +322,11 @@ def _weights_from_gguf(ckpt, cfg: KimiConfig) -> Iterator[tuple[str, torch.Tenso
                 v_b = w(b + "attn_v_b.weight", nh, dv, R)
             yield m + "k_b", k_b.contiguous()
             yield m + "v_b", v_b
-            yield m + "o_proj.weight", w(b + "attn_output.weight", E, nh * dv)
+            yield m + "o_proj.weight", rows(b + "attn_output.weight", E, nh * dv)
         if cfg.ffn_types[i] == "dense":
             I = cfg.intermediate_size
-            yield f + "gate_up.weight", torch.cat([w(b + "ffn_gate.weight", I, E), w(b + "ffn_up.weight", I, E)])
-            yield f + "down.weight", w(b + "ffn_down.weight", E, I)
+            yield f + "gate_up.weight", stack_rows([rows(b + "ffn_gate.weight", I, E), rows(b + "ffn_up.weight", I, E)])
+            yield f + "down.weight", rows(b + "ffn_down.weight", E, I)
             continue
         n, I, S = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_intermediate_size
         yield f + "router.weight", w(b + "ffn_gate_inp.weight", n, E)

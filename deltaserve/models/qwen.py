@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.cache.state import HybridState, Snapshots
-from deltaserve.models.common import build, check_batch, check_ids, fetch, fetch_rows, lm_logits
+from deltaserve.models.common import build, check_batch, check_ids, dense, fetch, fetch_rows, lm_logits, stack_rows
 from deltaserve.models.config import QwenConfig
 from deltaserve.models.layers import MLP, Embedding, GatedAttention, Linear, RMSNorm, RotaryEmbedding, SparseMoE
 from deltaserve.ops import causal_conv1d, gated_delta_rule
@@ -269,8 +269,11 @@ def _weights_from_gguf(ckpt, cfg: QwenConfig) -> Iterator[tuple[str, torch.Tenso
     def w(name, *shape):
         return fetch(ckpt, name, *shape)
 
+    def rows(name, *shape):  # a large 2-D weight: read a block of rows at a time when it is stored
+        return fetch_rows(ckpt, name, *shape)
+
     def grouped(t, dim, head):
-        return _tiled_to_grouped(t, dim, H, r, head) if tiled else t
+        return _tiled_to_grouped(dense(t), dim, H, r, head) if tiled else t
 
     yield "embed.weight", fetch_rows(ckpt, "token_embd.weight", cfg.vocab_size, E)
     yield "norm.weight", w("output_norm.weight", E)
@@ -285,20 +288,20 @@ def _weights_from_gguf(ckpt, cfg: QwenConfig) -> Iterator[tuple[str, torch.Tenso
                 q, k, v, z = _split_per_key_head(w(b + "ssm_in.weight", H * (2 * K + 2 * r * V), E),
                                                  H, [K, K, r * V, r * V])
             else:
-                q, k, v = w(b + "attn_qkv.weight", cfg.conv_dim, E).split([H * K, H * K, HV * V])
-                v, z = grouped(v, 0, V), grouped(w(b + "attn_gate.weight", HV * V, E), 0, V)
+                q, k, v = rows(b + "attn_qkv.weight", cfg.conv_dim, E).split([H * K, H * K, HV * V])
+                v, z = grouped(v, 0, V), grouped(rows(b + "attn_gate.weight", HV * V, E), 0, V)
             if cfg.arch == "qwen3next":
                 beta, alpha = _split_per_key_head(w(b + "ssm_ba.weight", 2 * HV, E), H, [r, r])
             else:
                 beta = grouped(w(b + "ssm_beta.weight", HV, E), 0, 1)
                 alpha = grouped(w(b + "ssm_alpha.weight", HV, E), 0, 1)
-            yield dst + "mixer.in_proj.weight", torch.cat([q, k, v, z, beta, alpha])
+            yield dst + "mixer.in_proj.weight", stack_rows([q, k, v, z, beta, alpha])
             qk, conv_v = w(b + "ssm_conv1d.weight", cfg.conv_dim, W).split([2 * H * K, HV * V])
             yield dst + "mixer.conv_weight", torch.cat([qk, grouped(conv_v, 0, V)])
             yield dst + "mixer.dt_bias", grouped(w(b + "ssm_dt.bias", HV), 0, 1)
             yield dst + "mixer.A", grouped(w(b + "ssm_a", HV), 0, 1)
             yield dst + "mixer.norm.weight", w(b + "ssm_norm.weight", V)
-            yield dst + "mixer.out_proj.weight", grouped(w(b + "ssm_out.weight", E, HV * V), 1, V)
+            yield dst + "mixer.out_proj.weight", grouped(rows(b + "ssm_out.weight", E, HV * V), 1, V)
         else:
             if ckpt.has(b + "attn_q.weight"):
                 q_gate, k, v = (w(b + "attn_q.weight", 2 * nh * hd, E), w(b + "attn_k.weight", nkv * hd, E),
@@ -309,11 +312,11 @@ def _weights_from_gguf(ckpt, cfg: QwenConfig) -> Iterator[tuple[str, torch.Tenso
             yield dst + "mixer.qkv_proj.weight", _attention_rows(q_gate, k, v, nh, hd)
             yield dst + "mixer.q_norm.weight", w(b + "attn_q_norm.weight", hd)
             yield dst + "mixer.k_norm.weight", w(b + "attn_k_norm.weight", hd)
-            yield dst + "mixer.o_proj.weight", w(b + "attn_output.weight", E, nh * hd)
+            yield dst + "mixer.o_proj.weight", rows(b + "attn_output.weight", E, nh * hd)
         if cfg.ffn_types[i] == "dense":
             I = cfg.intermediate_size
-            yield dst + "ffn.gate_up.weight", torch.cat([w(b + "ffn_gate.weight", I, E), w(b + "ffn_up.weight", I, E)])
-            yield dst + "ffn.down.weight", w(b + "ffn_down.weight", E, I)
+            yield dst + "ffn.gate_up.weight", stack_rows([rows(b + "ffn_gate.weight", I, E), rows(b + "ffn_up.weight", I, E)])
+            yield dst + "ffn.down.weight", rows(b + "ffn_down.weight", E, I)
             continue
         n, I, S = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         yield dst + "ffn.router.weight", w(b + "ffn_gate_inp.weight", n, E)

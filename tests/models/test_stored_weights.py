@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from deltaserve.engine.llm import LLM
-from deltaserve.models.common import RowReader
+from deltaserve.models.common import Rows
 from deltaserve.loader import open_checkpoint
 from deltaserve.models.layers import Linear, dequantize
 from deltaserve.models.make import make_model
@@ -17,7 +17,7 @@ from deltaserve.models.make import make_model
 ], ids=["f16", "q8_0"])
 @pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "qwen3next", "kimi-linear"])
 def test_stored_weights_match_f32_storage(arch, file_dtype, stored, text, tmp_path, monkeypatch):
-    monkeypatch.setattr(RowReader, "BLOCK", 37)  # the embedding arrives in several blocks of rows
+    monkeypatch.setattr(Rows, "BLOCK", 37)  # the embedding arrives in several blocks of rows
     path = tmp_path / f"{arch}.gguf"
     make_model(arch, "tiny", file_dtype, path, seed=3)
     kept = LLM(path, max_len=128)  # by default the weights stay in the file's form
