@@ -17,6 +17,8 @@ def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens (default 512)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="weight dtype for matmuls (default float32)")
+    p.add_argument("--kv-dtype", choices=["auto", "float32", "float16"], default="auto",
+                   help="KV cache dtype (default auto: float16 beside 16- or 8-bit weights, as llama.cpp; else --dtype)")
     p.add_argument("--cache-mb", type=float, default=1024,
                    help="memory for prefix checkpoints of the recurrent state, in MB; 0 = off (default 1024)")
     p.add_argument("--spec", default=None, metavar="ngram|MODEL.gguf",
@@ -41,8 +43,15 @@ def _load(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return LLM(args.model, dtype=getattr(torch, args.dtype), max_len=args.ctx_size, prefill_chunk=args.chunk_size,
-               cache_budget_mb=args.cache_mb, speculative=args.spec, spec_tokens=args.spec_tokens)
+    return LLM(args.model, dtype=getattr(torch, args.dtype), kv_dtype=_kv_dtype(args), max_len=args.ctx_size,
+               prefill_chunk=args.chunk_size, cache_budget_mb=args.cache_mb, speculative=args.spec,
+               spec_tokens=args.spec_tokens)
+
+
+def _kv_dtype(args):
+    import torch
+
+    return None if args.kv_dtype == "auto" else getattr(torch, args.kv_dtype)
 
 
 def _sampling(args) -> dict:
@@ -96,7 +105,7 @@ def cmd_serve(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load(args.model, dtype=getattr(torch, args.dtype))
+    model, tokenizer = load(args.model, dtype=getattr(torch, args.dtype), kv_dtype=_kv_dtype(args))
     name = args.served_model_name or Path(args.model or DEFAULT_MODEL).stem
     engine = Engine(model, tokenizer, n_slots=args.slots, max_len=args.ctx_size, prefill_chunk=args.chunk_size,
                     model_name=name, cache_budget_mb=args.cache_mb, speculative=args.spec, spec_tokens=args.spec_tokens)

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from deltaserve.engine.llm import LLM
 
@@ -18,6 +19,17 @@ def test_run_streams_the_same_text_as_the_api(tiny_gguf):
     assert done.returncode == 0, done.stderr
     expected = LLM(tiny_gguf).generate("Hello there", max_tokens=12, temperature=0)
     assert done.stdout == "Hello there" + expected.text + "\n"
+
+
+def test_kv_dtype_option(tiny_gguf):
+    """--kv-dtype runs with that cache (what it changes is tested through the API in test_kv_dtype.py);
+    an unknown dtype is refused by name."""
+    done = deltaserve("run", tiny_gguf, "-p", "Hello there", "-n", "12", "--temperature", "0", "--kv-dtype", "float32")
+    assert done.returncode == 0, done.stderr
+    expected = LLM(tiny_gguf, kv_dtype=torch.float32).generate("Hello there", max_tokens=12, temperature=0)
+    assert done.stdout == "Hello there" + expected.text + "\n"
+    bad = deltaserve("run", tiny_gguf, "--kv-dtype", "int3")
+    assert bad.returncode != 0 and "--kv-dtype" in bad.stderr
 
 
 def test_chat_answers_each_line_until_an_empty_one(tiny_gguf):

@@ -59,8 +59,10 @@ class HybridState:
     @classmethod
     def allocate(cls, recurrent: Sequence[bool], n_slots: int, max_len: int, *, conv: tuple[int, int],
                  ssm: tuple[int, int, int], k: tuple[int, int], v: tuple[int, int],
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> HybridState:
-        """Zeroed state. conv = (W-1, conv_dim), ssm = (HV, K, V), k/v = (n_kv, head_dim) per token."""
+                 dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None,
+                 device: torch.device | str = "cpu") -> HybridState:
+        """Zeroed state. conv = (W-1, conv_dim), ssm = (HV, K, V), k/v = (n_kv, head_dim) per token; conv in
+        `dtype`, the KV cache in `kv_dtype` (default `dtype`), the delta-rule state float32."""
         if n_slots < 1 or max_len < 1:
             raise DeltaserveError(f"state needs n_slots >= 1 and max_len >= 1, got {n_slots} and {max_len}")
 
@@ -71,8 +73,8 @@ class HybridState:
         return cls(
             conv=[zeros(n_slots, *conv) if r else None for r in recurrent],
             ssm=[zeros(n_slots, *ssm, dtype=torch.float32) if r else None for r in recurrent],
-            k=[None if r else zeros(n_slots, max_len, *k) for r in recurrent],
-            v=[None if r else zeros(n_slots, max_len, *v) for r in recurrent],
+            k=[None if r else zeros(n_slots, max_len, *k, dtype=kv_dtype or dtype) for r in recurrent],
+            v=[None if r else zeros(n_slots, max_len, *v, dtype=kv_dtype or dtype) for r in recurrent],
             lengths=zeros(n_slots, dtype=torch.long),
         )
 

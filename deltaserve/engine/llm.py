@@ -39,28 +39,29 @@ class GenerationResult:
 
 
 def load(model: str | Path | None = None, *, dtype: torch.dtype = torch.float32, device="cpu",
-         weight_dtype: torch.dtype | None = None):
+         weight_dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None):
     """(model, tokenizer) from a GGUF file or a Hugging Face directory; None = the embedded default model."""
     path = Path(model) if model is not None else DEFAULT_MODEL
     ckpt = open_checkpoint(path)
     tokenizer = (Tokenizer.from_gguf_metadata(ckpt.metadata) if hasattr(ckpt, "metadata")
                  else Tokenizer.from_hf_dir(path))
-    return load_model(ckpt, dtype=dtype, device=device, weight_dtype=weight_dtype), tokenizer
+    return load_model(ckpt, dtype=dtype, device=device, weight_dtype=weight_dtype, kv_dtype=kv_dtype), tokenizer
 
 
 class LLM:
     """Synchronous generation on one sequence slot; the server's Engine runs the same Scheduler in a thread."""
 
     def __init__(self, model: str | Path | None = None, *, dtype: torch.dtype = torch.float32, device="cpu",
-                 weight_dtype: torch.dtype | None = None, max_len: int = 4096, prefill_chunk: int = 512, checkpoint_interval: int = 512,
-                 cache_budget_mb: float = 1024.0, speculative: str | None = None, spec_tokens: int = 4):
+                 weight_dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None, max_len: int = 4096,
+                 prefill_chunk: int = 512, checkpoint_interval: int = 512, cache_budget_mb: float = 1024.0,
+                 speculative: str | None = None, spec_tokens: int = 4):
         """checkpoint_interval / cache_budget_mb: prefix checkpoints every that many tokens, kept within that
         many MB (0 turns them off); the default interval is the prefill chunk, so checkpoints cut no prefill
         pass in two (at 256, a 512-token prefill ran 13% slower). speculative: "ngram" or a draft model's path, for every generate call
         that does not say otherwise; spec_tokens: the most tokens drafted per step."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        self.model, self.tokenizer = load(model, dtype=dtype, device=device, weight_dtype=weight_dtype)
+        self.model, self.tokenizer = load(model, dtype=dtype, device=device, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
         self.runner = ModelRunner(self.model, n_slots=1, max_len=max_len, checkpoint_interval=checkpoint_interval,
                                   cache_budget_mb=cache_budget_mb)
         self.scheduler = Scheduler(self.runner, prefill_chunk)

@@ -133,6 +133,7 @@ class KimiModel(nn.Module):
         super().__init__()
         self.config = config
         self.compute_dtype = torch.float32  # activations, caches; weights may be stored narrower
+        self.cache_dtype: torch.dtype | None = None  # the KV cache's (None: compute_dtype); see load_model
         self.embed = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -157,7 +158,7 @@ class KimiModel(nn.Module):
             [t == "linear_attention" for t in cfg.layer_types], n_slots, max_len,
             conv=(cfg.conv_kernel - 1, 3 * cfg.kda_dim), ssm=(cfg.kda_heads, cfg.kda_head_dim, cfg.kda_head_dim),
             k=(1, cfg.kv_lora_rank + cfg.qk_rope_head_dim), v=(1, 0), dtype=self.compute_dtype,
-            device=p.device)
+            kv_dtype=self.cache_dtype, device=p.device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, state: HybridState, slots, logits: str = "last",

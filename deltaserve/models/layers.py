@@ -146,6 +146,9 @@ def _fused_inference(*tensors: torch.Tensor | None) -> bool:
             and all(t is None or (t.dtype == torch.float32 and t.is_cpu) for t in tensors))
 
 
+_STEP_CACHE_DTYPES = (torch.float32, torch.float16)  # KV caches the attention step kernel reads
+
+
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] on the last dim, [..., 2I] -> [..., I]."""
     if _fused_inference(gate_up) and gate_up.stride(-1) == 1:
@@ -257,7 +260,8 @@ class GatedAttention(nn.Module):
         N, T, _ = x.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         proj = self.qkv_proj(x)
-        if T == 1 and k_cache is not None and _fused_inference(proj, k_cache, v_cache, cos, self.q_norm.weight):
+        if (T == 1 and k_cache is not None and _fused_inference(proj, cos, self.q_norm.weight)
+                and k_cache.dtype in _STEP_CACHE_DTYPES and v_cache.dtype == k_cache.dtype and k_cache.is_cpu):
             # decode: norms, rope, cache write, attention and gate in one kernel call (~40 small ops otherwise)
             o = torch.empty(N, nh * hd)
             fused.extension().attention_step(proj.view(N, -1), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,

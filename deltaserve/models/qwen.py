@@ -94,6 +94,7 @@ class QwenModel(nn.Module):
         super().__init__()
         self.config = config
         self.compute_dtype = torch.float32  # activations, caches; weights may be stored narrower
+        self.cache_dtype: torch.dtype | None = None  # the KV cache's (None: compute_dtype); see load_model
         self.embed = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -116,7 +117,7 @@ class QwenModel(nn.Module):
             [t == "linear_attention" for t in cfg.layer_types], n_slots, max_len,
             conv=(cfg.conv_kernel - 1, cfg.conv_dim), ssm=(cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim),
             k=(cfg.num_kv_heads, cfg.head_dim), v=(cfg.num_kv_heads, cfg.head_dim), dtype=self.compute_dtype,
-            device=p.device)
+            kv_dtype=self.cache_dtype, device=p.device)
 
     def forward(self, input_ids: torch.Tensor, state: HybridState | None = None, slots=None,
                 logits: str = "last", snapshots: int = 0) -> torch.Tensor:

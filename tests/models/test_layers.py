@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from deltaserve.models import layers
+from deltaserve.ops import fused
 from deltaserve.models.layers import (Experts, GatedAttention, RMSNorm, RotaryEmbedding, apply_rotary, cached_attention, softmax_topk,
                                       swiglu)
 from deltaserve.models.qwen import _tiled_to_grouped
@@ -75,11 +77,16 @@ def test_partial_rotary_rotates_channel_pairs():
     assert torch.equal(out[..., rot:], x[..., rot:])
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["f32_cache", "f16_cache"])
+@pytest.mark.parametrize("query_block", [None, 7], ids=["one_block", "blocks_of_7_mask_entries"])
 @pytest.mark.parametrize("slots, start, T", [([2, 0], [5, 0], 4), ([2], [5], 1), ([1], [3], 3)],
                          ids=["two_sequences", "one_token_decode", "one_sequence_chunk"])
-def test_cached_attention_against_naive_loop(slots, start, T):
+def test_cached_attention_against_naive_loop(slots, start, T, query_block, cache_dtype, monkeypatch):
+    if query_block:  # a few queries per SDPA call (the mask budget counts query rows x keys)
+        monkeypatch.setattr(layers, "_ATTN_MASK_ELEMENTS", query_block)
     n_slots, max_len, nh, nkv, dk, dv = 3, 12, 6, 2, 5, 3
-    k_cache, v_cache = randn(n_slots, max_len, nkv, dk), randn(n_slots, max_len, nkv, dv)
+    k_cache = randn(n_slots, max_len, nkv, dk).to(cache_dtype)
+    v_cache = randn(n_slots, max_len, nkv, dv).to(cache_dtype)
     before_k, before_v = k_cache.clone(), v_cache.clone()
     slots, start = torch.tensor(slots), torch.tensor(start)
     N = len(slots)
@@ -88,9 +95,10 @@ def test_cached_attention_against_naive_loop(slots, start, T):
 
     for n in range(N):
         s, p0 = slots[n].item(), start[n].item()
-        keys = torch.cat([before_k[s, :p0], k[n]]).double()  # what the slot holds after the write
-        values = torch.cat([before_v[s, :p0], v[n]]).double()
-        assert torch.equal(k_cache[s, p0:p0 + T], k[n]) and torch.equal(v_cache[s, :p0], before_v[s, :p0])
+        new_k, new_v = k[n].to(cache_dtype), v[n].to(cache_dtype)  # what the cache keeps of them
+        keys = torch.cat([before_k[s, :p0], new_k]).double()  # what the slot holds after the write
+        values = torch.cat([before_v[s, :p0], new_v]).double()
+        assert torch.equal(k_cache[s, p0:p0 + T], new_k) and torch.equal(v_cache[s, :p0], before_v[s, :p0])
         for t in range(T):
             for h in range(nh):
                 kv = h // (nh // nkv)
@@ -139,10 +147,13 @@ def test_tiled_to_grouped_value_head_order():
     assert torch.equal(cols, grouped.T)
 
 
-def test_attention_decode_step_kernel_equals_torch_path():
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["f32_cache", "f16_cache"])
+@pytest.mark.parametrize("hd", [20, 48], ids=["hd20", "hd48"])  # 48: whole 16-lane vectors and no tail
+def test_attention_decode_step_kernel_equals_torch_path(hd, cache_dtype, monkeypatch):
     """One new token of each of two sequences: the fused decode kernel (inference) against the layer's torch
-    ops (taken whenever autograd is on), which test_cached_attention_against_naive_loop checks longhand."""
-    nh, nkv, hd, rot, E = 6, 2, 20, 12, 16
+    ops (taken whenever autograd is on), which test_cached_attention_against_naive_loop checks longhand.
+    A float16 cache holds the new key rounded: both paths attend over what the cache holds."""
+    nh, nkv, rot, E = 6, 2, 12, 16
     attn = GatedAttention(E, nh, nkv, hd, eps=1e-6)
     with torch.no_grad():
         for p in attn.parameters():
@@ -150,12 +161,28 @@ def test_attention_decode_step_kernel_equals_torch_path():
     slots, start = torch.tensor([3, 1]), torch.tensor([9, 4])
     x = randn(2, 1, E)
     cos, sin = RotaryEmbedding(rot, 1000.0)(start[:, None])
-    caches = [randn(4, 16, nkv, hd), randn(4, 16, nkv, hd)]
+    caches = [randn(4, 16, nkv, hd).to(cache_dtype), randn(4, 16, nkv, hd).to(cache_dtype)]
     kernel_caches, torch_caches = [c.clone() for c in caches], [c.clone() for c in caches]
+    ext, calls = fused.extension(), []
+
+    class Spy:  # the kernel module, counting attention steps
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+        def attention_step(self, *args):
+            calls.append(args)
+            return ext.attention_step(*args)
+
+    monkeypatch.setattr(fused, "extension", Spy)
     with torch.no_grad():
         got = attn(x, cos, sin, *kernel_caches, slots, start)
+    assert len(calls) == 1  # the kernel took this step
     with torch.enable_grad():
         want = attn(x, cos, sin, *torch_caches, slots, start)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # float16: a last-bit difference in a new key (the two paths norm and rotate in their own order) may round
+    # it to the neighbouring float16, 2^-11 relative
+    out_tol, cache_tol = (1e-5, 1e-6) if cache_dtype == torch.float32 else (2e-3, 2e-3)
+    torch.testing.assert_close(got, want, rtol=out_tol, atol=out_tol)
     for a, b in zip(kernel_caches, torch_caches):  # the new keys and values written in the same places
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert a.dtype == cache_dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=cache_tol, atol=cache_tol)

@@ -20,8 +20,10 @@ def test_stored_weights_match_f32_storage(arch, file_dtype, stored, text, tmp_pa
     monkeypatch.setattr(Rows, "BLOCK", 37)  # the embedding arrives in several blocks of rows
     path = tmp_path / f"{arch}.gguf"
     make_model(arch, "tiny", file_dtype, path, seed=3)
-    kept = LLM(path, max_len=128)  # by default the weights stay in the file's form
-    f32 = LLM(path, max_len=128, weight_dtype=torch.float32)
+    # by default the weights stay in the file's form; the KV caches alike in both (float16 is their default
+    # beside 16- and 8-bit weights, tested in test_kv_dtype.py)
+    kept = LLM(path, max_len=128, kv_dtype=torch.float32)
+    f32 = LLM(path, max_len=128, weight_dtype=torch.float32, kv_dtype=torch.float32)
     linears = [m.weight for m in kept.model.modules() if isinstance(m, Linear)]
     assert kept.model.embed.weight.dtype == stored and f32.model.embed.weight.dtype == torch.float32
     table = open_checkpoint(path).load("token_embd.weight")  # read whole, not in blocks

@@ -81,50 +81,82 @@ inline void norm_rope(float* x, const float* w, float eps, const float* cos, con
   }
 }
 
-// Cached keys / values of one kv head lie nkv * hd floats apart: requested this many rows ahead.
+// Cached keys / values of one kv head lie nkv * hd elements apart: requested this many rows ahead.
 constexpr int64_t kRowsAhead = 8;
 
-inline void prefetch_row(const float* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+template <typename T>
+inline void prefetch_row(const T* p, int64_t n) {
+  const char* b = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) _mm_prefetch(b + i, _MM_HINT_T0);
+}
+
+// A cache row as float32: float32 caches are read where they lie, float16 ones widened into buf.
+inline const float* widen(const float* p, float*, int64_t) { return p; }
+
+inline const float* widen(const at::Half* p, float* buf, int64_t n) {
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(buf + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+#endif
+  for (; i < n; ++i) buf[i] = static_cast<float>(p[i]);
+  return buf;
+}
+
+inline void store_row(const float* x, float* dst, int64_t n) { std::copy(x, x + n, dst); }
+
+inline void store_row(const float* x, at::Half* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<at::Half>(x[i]);
 }
 
 // One decode step of gated full attention (Qwen3.5 / Qwen3-Next) for M sequences of one new token each:
 // per head RMSNorm of q and k, partial rope, the new key / value written into the cache, attention over the
 // cache row up to and including the new token, and the output gate sigmoid(g). One call instead of ~40 small
 // ops. proj [M, ...] (rows any stride apart): [q (nh*hd) | g (nh*hd) | k (nkv*hd) | v (nkv*hd)]; cos, sin
-// [M, rot]; caches [S, L, nkv, hd]; slots, pos [M] int64 (cache row, position of the new token); out [M, nh*hd].
-// Threads over (sequence, kv head): each reads its keys and values once for the group of query heads.
-void attention_step(torch::Tensor proj, torch::Tensor q_norm, torch::Tensor k_norm, double eps, torch::Tensor cos,
-                    torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-                    torch::Tensor pos, double scale, torch::Tensor out) {
+// [M, rot]; caches [S, L, nkv, hd] float32 or float16 (CacheT); slots, pos [M] int64 (cache row, position of
+// the new token); out [M, nh*hd]. Threads over (sequence, kv head): each reads its keys and values once for
+// the group of query heads. The new token's key and value are read back from the cache like the others, so
+// a float16 cache rounds them as the prefill path (which attends over the cache) does.
+template <typename CacheT>
+void attention_step_impl(torch::Tensor proj, torch::Tensor q_norm, torch::Tensor k_norm, double eps,
+                         torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                         torch::Tensor slots, torch::Tensor pos, double scale, torch::Tensor out) {
   const int64_t M = out.size(0), hd = q_norm.numel(), nh = out.size(1) / hd, nkv = k_cache.size(2);
   const int64_t L = k_cache.size(1), rot = cos.size(1), group = nh / nkv, ps = proj.stride(0);
   const float* pp = proj.data_ptr<float>();
   const float *qw = q_norm.data_ptr<float>(), *kw = k_norm.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>(), *op = out.data_ptr<float>();
+  CacheT *kc = k_cache.data_ptr<CacheT>(), *vc = v_cache.data_ptr<CacheT>();
+  float* op = out.data_ptr<float>();
   const int64_t *slot = slots.data_ptr<int64_t>(), *at = pos.data_ptr<int64_t>();
   at::parallel_for(0, M * nkv, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> q(group * hd), scores;
+    std::vector<float> q(group * hd), buf(hd), scores;
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t m = task / nkv, j = task % nkv, n = at[m];
       const float* row = pp + m * ps;
       const float *c = cp + m * rot, *s = sp + m * rot;
-      float* krow = kc + ((slot[m] * L + n) * nkv + j) * hd;  // the new key and value go into the cache
-      float* vrow = vc + ((slot[m] * L + n) * nkv + j) * hd;
-      std::copy(row + (2 * nh + j) * hd, row + (2 * nh + j + 1) * hd, krow);
-      std::copy(row + (2 * nh + nkv + j) * hd, row + (2 * nh + nkv + j + 1) * hd, vrow);
-      norm_rope(krow, kw, static_cast<float>(eps), c, s, hd, rot);
+      // the new key (normalised, rotated) and value go into the cache
+      std::copy(row + (2 * nh + j) * hd, row + (2 * nh + j + 1) * hd, buf.data());
+      norm_rope(buf.data(), kw, static_cast<float>(eps), c, s, hd, rot);
+      store_row(buf.data(), kc + ((slot[m] * L + n) * nkv + j) * hd, hd);
+      store_row(row + (2 * nh + nkv + j) * hd, vc + ((slot[m] * L + n) * nkv + j) * hd, hd);
       for (int64_t h = 0; h < group; ++h) {
         std::copy(row + (j * group + h) * hd, row + (j * group + h + 1) * hd, q.data() + h * hd);
         norm_rope(q.data() + h * hd, qw, static_cast<float>(eps), c, s, hd, rot);
       }
-      const float* keys = kc + (slot[m] * L * nkv + j) * hd;  // key t at keys + t * nkv * hd
-      const float* vals = vc + (slot[m] * L * nkv + j) * hd;
+      const CacheT* keys = kc + (slot[m] * L * nkv + j) * hd;  // key t at keys + t * nkv * hd
+      const CacheT* vals = vc + (slot[m] * L * nkv + j) * hd;
       scores.assign(group * (n + 1), 0.f);
       for (int64_t t = 0; t <= n; ++t) {
-        const float* kt = keys + t * nkv * hd;
-        if (t + kRowsAhead <= n) prefetch_row(kt + kRowsAhead * nkv * hd, hd);
+        if (t + kRowsAhead <= n) prefetch_row(keys + (t + kRowsAhead) * nkv * hd, hd);
+        const float* kt = widen(keys + t * nkv * hd, buf.data(), hd);
         for (int64_t h = 0; h < group; ++h) {
           const float* qh = q.data() + h * hd;
           float d = 0.f;
@@ -147,8 +179,8 @@ void attention_step(torch::Tensor proj, torch::Tensor q_norm, torch::Tensor k_no
       float* o = op + m * nh * hd + j * group * hd;
       std::fill(o, o + group * hd, 0.f);
       for (int64_t t = 0; t <= n; ++t) {
-        const float* vt = vals + t * nkv * hd;
-        if (t + kRowsAhead <= n) prefetch_row(vt + kRowsAhead * nkv * hd, hd);
+        if (t + kRowsAhead <= n) prefetch_row(vals + (t + kRowsAhead) * nkv * hd, hd);
+        const float* vt = widen(vals + t * nkv * hd, buf.data(), hd);
         for (int64_t h = 0; h < group; ++h) {
           const float p = scores[h * (n + 1) + t];
           float* oh = o + h * hd;
@@ -164,6 +196,15 @@ void attention_step(torch::Tensor proj, torch::Tensor q_norm, torch::Tensor k_no
       }
     }
   });
+}
+
+void attention_step(torch::Tensor proj, torch::Tensor q_norm, torch::Tensor k_norm, double eps, torch::Tensor cos,
+                    torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                    torch::Tensor pos, double scale, torch::Tensor out) {
+  if (k_cache.scalar_type() == at::kHalf)
+    attention_step_impl<at::Half>(proj, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, slots, pos, scale, out);
+  else
+    attention_step_impl<float>(proj, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, slots, pos, scale, out);
 }
 
 }  // namespace deltaserve
