@@ -66,7 +66,7 @@ class KimiDeltaAttention(nn.Module):
         g = self.decay(self.f_b(f))  # [N, T, H, D]
         o, _, *ssm_snaps = gated_delta_rule(q, k, v, g, beta, initial_state=ssm_state, state_indices=slots,
                                             inplace=True, snapshots=snapshots, use_qk_l2norm=True)
-        o = self.norm(o, gate=self.g_b(gate).view(N, T, H, D), gate_act="sigmoid")
+        o = self.norm(o, gate=self.g_b(gate).view(N, T, H, D), gate_act="sigmoid", inplace=True)
         y = self.out_proj(o.reshape(N, T, H * D))
         return (y, tape, ssm_snaps[0]) if snapshots else y
 

@@ -60,7 +60,7 @@ class GatedDeltaNet(nn.Module):
         o, _, *ssm_snaps = gated_delta_rule(q.view(N, T, H, K), k.view(N, T, H, K), v.view(N, T, HV, V), g, beta,
                                             initial_state=ssm_state, state_indices=slots, inplace=cached,
                                             snapshots=snapshots, use_qk_l2norm=True)
-        o = self.norm(o, gate=z.view(N, T, HV, V))  # [N, T, HV, V]
+        o = self.norm(o, gate=z.view(N, T, HV, V), inplace=True)  # [N, T, HV, V]
         y = self.out_proj(o.reshape(N, T, HV * V))
         return (y, tape, ssm_snaps[0]) if snapshots else y
 

@@ -36,7 +36,7 @@ def test_rmsnorm(case):
     assert norm(x.bfloat16()).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("case", ["fused", "autograd"])
+@pytest.mark.parametrize("case", ["fused", "fused_inplace", "autograd"])
 @pytest.mark.parametrize("act", ["silu", "sigmoid"])
 def test_rmsnorm_with_output_gate(act, case):
     """norm(o) * act(z) per head, z sliced out of a wider projection row as the GDN / KDA layers pass it."""
@@ -49,15 +49,23 @@ def test_rmsnorm_with_output_gate(act, case):
     gate = z64 * torch.sigmoid(z64) if act == "silu" else torch.sigmoid(z64)
     expected = o64 / torch.sqrt((o64 ** 2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double() * gate
     with torch.set_grad_enabled(case == "autograd"):
-        out = norm(o.requires_grad_(case == "autograd"), gate=z, gate_act=act)
+        out = norm(o.requires_grad_(case == "autograd"), gate=z, gate_act=act, inplace=case == "fused_inplace")
     assert torch.allclose(out.double(), expected, atol=1e-5)
+    assert (out.data_ptr() == o.data_ptr()) == (case == "fused_inplace")
 
 
+@pytest.mark.parametrize("case", ["fused", "fused_inplace", "autograd"])
+@pytest.mark.parametrize("wide", [False, True], ids=["contiguous", "rows_of_a_wider_buffer"])
 @pytest.mark.parametrize("rows", [1, 7], ids=lambda r: f"rows{r}")
-def test_swiglu(rows):
-    gate_up = randn(rows, 2 * 40 + 3)[:, :80]  # rows of a wider buffer
+def test_swiglu(rows, wide, case):
+    gate_up = randn(rows, 2 * 40 + 3)[:, :80] if wide else randn(rows, 80)
     g64, u64 = gate_up.double().chunk(2, dim=-1)
-    torch.testing.assert_close(swiglu(gate_up).double(), g64 * torch.sigmoid(g64) * u64, rtol=1e-6, atol=1e-6)
+    expected = g64 * torch.sigmoid(g64) * u64
+    with torch.set_grad_enabled(case == "autograd"):
+        out = swiglu(gate_up, inplace=case == "fused_inplace")
+    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)
+    # in place only where the rows are the buffer itself (contiguous): the result is then its gate half
+    assert (out.data_ptr() == gate_up.data_ptr()) == (case == "fused_inplace" and gate_up.is_contiguous())
 
 
 def test_partial_rotary_rotates_channel_pairs():
@@ -149,34 +157,33 @@ def test_tiled_to_grouped_value_head_order():
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["f32_cache", "f16_cache"])
 @pytest.mark.parametrize("hd", [20, 48], ids=["hd20", "hd48"])  # 48: whole 16-lane vectors and no tail
-def test_attention_decode_step_kernel_equals_torch_path(hd, cache_dtype, monkeypatch):
-    """One new token of each of two sequences: the fused decode kernel (inference) against the layer's torch
-    ops (taken whenever autograd is on), which test_cached_attention_against_naive_loop checks longhand.
-    A float16 cache holds the new key rounded: both paths attend over what the cache holds."""
+@pytest.mark.parametrize("T, kernel", [(1, "attention_step"), (5, "norm_rope_rows")], ids=["decode", "prefill"])
+def test_attention_kernels_equal_torch_path(T, kernel, hd, cache_dtype, monkeypatch):
+    """Two sequences, one new token each (the fused decode step) or five (q/k norms and rope in place, then
+    attention over the cache): inference against the layer's torch ops (taken whenever autograd is on),
+    which test_cached_attention_against_naive_loop checks longhand. A float16 cache holds the new keys
+    rounded: both paths attend over what the cache holds."""
     nh, nkv, rot, E = 6, 2, 12, 16
     attn = GatedAttention(E, nh, nkv, hd, eps=1e-6)
     with torch.no_grad():
         for p in attn.parameters():
             p.copy_(randn(*p.shape) * 0.5)
     slots, start = torch.tensor([3, 1]), torch.tensor([9, 4])
-    x = randn(2, 1, E)
-    cos, sin = RotaryEmbedding(rot, 1000.0)(start[:, None])
+    x = randn(2, T, E)
+    cos, sin = RotaryEmbedding(rot, 1000.0)(start[:, None] + torch.arange(T))
     caches = [randn(4, 16, nkv, hd).to(cache_dtype), randn(4, 16, nkv, hd).to(cache_dtype)]
     kernel_caches, torch_caches = [c.clone() for c in caches], [c.clone() for c in caches]
     ext, calls = fused.extension(), []
 
-    class Spy:  # the kernel module, counting attention steps
+    class Spy:  # the kernel module, counting calls by name
         def __getattr__(self, name):
+            calls.append(name)
             return getattr(ext, name)
-
-        def attention_step(self, *args):
-            calls.append(args)
-            return ext.attention_step(*args)
 
     monkeypatch.setattr(fused, "extension", Spy)
     with torch.no_grad():
         got = attn(x, cos, sin, *kernel_caches, slots, start)
-    assert len(calls) == 1  # the kernel took this step
+    assert calls.count(kernel) == 1  # the kernel took this pass
     with torch.enable_grad():
         want = attn(x, cos, sin, *torch_caches, slots, start)
     # float16: a last-bit difference in a new key (the two paths norm and rotate in their own order) may round

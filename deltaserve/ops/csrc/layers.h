@@ -11,7 +11,8 @@
 
 namespace deltaserve {
 
-// out = x / sqrt(mean(x^2) + eps) * w over rows of D = w.numel(); x, out float32 contiguous [..., D]. One call
+// out = x / sqrt(mean(x^2) + eps) * w over rows of D = w.numel(); x, out float32 contiguous [..., D] (out may be
+// x: a row is summed before it is written). One call
 // instead of the six small ops of the torch expression (a decode step runs ~80 norms). With a gate (float32
 // [tokens, rows per token, D], D contiguous, tokens any stride apart: a slice of a projection) the rows are
 // also multiplied by act(gate): act 1 silu, 2 sigmoid (the output gates of GDN and KDA layers).
@@ -51,15 +52,16 @@ void rms_norm(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor out, t
   });
 }
 
-// out [M, I] = silu(x[:, :I]) * x[:, I:] (SwiGLU); x [M, 2I] float32, rows any stride apart.
+// out [M, I] = silu(x[:, :I]) * x[:, I:] (SwiGLU); x [M, 2I] and out float32, rows any stride apart (out may
+// be x[:, :I] itself: each element is read before it is written).
 void silu_mul(torch::Tensor x, torch::Tensor out) {
-  const int64_t M = out.size(0), I = out.size(1), xs = x.stride(0);
+  const int64_t M = out.size(0), I = out.size(1), xs = x.stride(0), os = out.stride(0);
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / std::max<int64_t>(I, 1)), [&](int64_t lo, int64_t hi) {
     for (int64_t m = lo; m < hi; ++m) {
       const float *g = xp + m * xs, *u = g + I;
-      float* o = op + m * I;
+      float* o = op + m * os;
 #pragma omp simd
       for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
@@ -79,6 +81,26 @@ inline void norm_rope(float* x, const float* w, float eps, const float* cos, con
     x[i] = a * cos[i] - b * sin[i];
     x[i + half] = b * cos[i + half] + a * sin[i + half];
   }
+}
+
+// Prefill of gated attention: per row of proj [M, ...] (rows any stride apart), RMSNorm and rope of the nh
+// query heads at column 0 and the nkv key heads at column k0 (hd = q_norm.numel() each), in place; cos, sin
+// [M, rot]. One call instead of the ~12 ops (and their [M, heads, hd] temporaries) of the torch expression.
+void norm_rope_rows(torch::Tensor proj, torch::Tensor q_norm, torch::Tensor k_norm, double eps, torch::Tensor cos,
+                    torch::Tensor sin, int64_t nh, int64_t nkv, int64_t k0) {
+  const int64_t M = proj.size(0), hd = q_norm.numel(), rot = cos.size(1), ps = proj.stride(0);
+  float* pp = proj.data_ptr<float>();
+  const float *qw = q_norm.data_ptr<float>(), *kw = k_norm.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t m = lo; m < hi; ++m) {
+      float* row = pp + m * ps;
+      for (int64_t h = 0; h < nh; ++h)
+        norm_rope(row + h * hd, qw, static_cast<float>(eps), cp + m * rot, sp + m * rot, hd, rot);
+      for (int64_t j = 0; j < nkv; ++j)
+        norm_rope(row + k0 + j * hd, kw, static_cast<float>(eps), cp + m * rot, sp + m * rot, hd, rot);
+    }
+  });
 }
 
 // Cached keys / values of one kv head lie nkv * hd elements apart: requested this many rows ahead.

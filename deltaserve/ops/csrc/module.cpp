@@ -10,6 +10,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("conv_forward", &deltaserve::conv_forward, "short causal depthwise conv with state (CPU, float32)");
   m.def("linear_f16", &deltaserve::linear_f16, "float32 activations times float16 weights (CPU)");
   m.def("rms_norm", &deltaserve::rms_norm, "RMSNorm over the last dim, optionally gated (CPU, float32)");
+  m.def("norm_rope_rows", &deltaserve::norm_rope_rows, "q/k RMSNorm + rope of attention rows in place (CPU, float32)");
   m.def("attention_step", &deltaserve::attention_step, "a decode step of gated attention (CPU, float32)");
   m.def("silu_mul", &deltaserve::silu_mul, "silu(x[:, :I]) * x[:, I:] (CPU, float32)");
   m.def("linear_q8", &deltaserve::linear_q8, "float32 activations times Q8_0 weights (CPU)");
