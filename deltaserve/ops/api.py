@@ -43,6 +43,11 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, reset=
     (for a sequence shorter than K the older entries hold its initial state).
     Returns (o [B, T, HV, V] in v's dtype, final state[, snapshots]).
     """
+    if (inplace and reset is None and cu_seqlens is None and not snapshots and backend in ("auto", "fused")
+            and fused_mod.available()):
+        o = fused_mod.inplace_step(q, k, v, g, beta, initial_state, state_indices, scale, use_qk_l2norm)
+        if o is not None:  # the common call (a model's prefill or decode), checked and run in C++
+            return o, initial_state
     B, T, N, HV, K, V = _check(q, k, v, g, beta, initial_state, cu_seqlens, state_indices, inplace, snapshots, backend)
     scale = K ** -0.5 if scale is None else float(scale)
     if reset is not None:

@@ -61,15 +61,27 @@ def available() -> bool:
 def fused(q, k, v, g, beta, *, scale, state, cu_seqlens, snapshots, use_qk_l2norm, state_indices=None):
     """q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV(, K)]; beta [B, T, HV], the B * T tokens holding all
     sequences in order ([1, T] when packed); cu_seqlens [N + 1] int64 on CPU; state [S, HV, K, V] float32,
-    advanced in place: sequence n owns row state_indices[n] (row n when None).
-    Returns (o [B, T, HV, V] float32; state; snaps [N, snapshots, HV, K, V] | None).
-    The kernel reads q, k and v where they lie when it can (slices of a projection) and converts the
-    rest itself: a decode step is ~35 us of kernel, and each Python-side check or no-op conversion ~0.5."""
+    advanced in place: sequence n owns row state_indices[n] (row n when None). The kernel reads q, k and v
+    where they lie when it can (slices of a projection) and converts the rest itself.
+    Returns (o [B, T, HV, V] float32; state; snaps [N, snapshots, HV, K, V] | None)."""
     if not q.is_cpu:
         raise ValueError(f"backend='fused' runs on CPU tensors only, got device {q.device}")
-    o, snaps = extension().gdr_forward(q, k, v, g, beta, state, cu_seqlens, state_indices, snapshots, scale,
-                                       use_qk_l2norm)
+    N, (_, HV, K, V) = cu_seqlens.numel() - 1, state.shape
+    o = torch.empty(v.shape, dtype=torch.float32)
+    snaps = torch.empty((N, snapshots, HV, K, V), dtype=torch.float32) if snapshots else EMPTY_F32
+    extension().gdr_forward(q, k, v, g, beta, state, cu_seqlens, state_indices, o, snaps, scale, use_qk_l2norm)
     return o, state, (snaps if snapshots else None)
+
+
+def inplace_step(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm):
+    """gated_delta_rule's common call (float32 CPU tensors, no autograd, B sequences of T tokens, the state
+    advanced in place, see gdr_inplace in csrc/delta_rule.h) checked and run in one C++ call: o, or None
+    for any other call (then the general path runs it, or names what is wrong)."""
+    try:
+        return extension().gdr_inplace(q, k, v, g, beta, state, state_indices,
+                                       None if scale is None else float(scale), use_qk_l2norm)
+    except (TypeError, ValueError):  # arguments pybind cannot take (not tensors, ...): the general path's to name
+        return None
 
 
 # Empty placeholders the kernel reads as "absent" (never written).

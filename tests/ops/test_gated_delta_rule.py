@@ -239,10 +239,11 @@ def test_auto_prefers_chunk_when_gradients_are_needed():
     (dict(reset=torch.tensor([1])), r"reset must be a bool tensor \[N\] = \[1\]"),
 ], ids=["q_shape", "hv_multiple", "beta_shape", "g_shape", "state_shape", "state_dtype", "int_q", "cu_seqlens",
         "snapshots", "backend", "reset"])
-def test_bad_arguments_name_what_is_wrong(bad, match):
+@pytest.mark.parametrize("inplace", [False, True], ids=["new_state", "inplace"])  # inplace: C++-checked first
+def test_bad_arguments_name_what_is_wrong(bad, match, inplace):
     q, k, v, g, beta, _ = make_inputs(1, 4, 2, 4, 16, 24)
     args = dict(q=q, k=k, v=v, g=g, beta=beta)
-    kwargs = {}
+    kwargs = dict(initial_state=torch.zeros(1, 4, 16, 24), inplace=True) if inplace else {}
     for name, value in bad.items():
         (args if name in args else kwargs)[name] = value
     with pytest.raises(ValueError, match=match):
@@ -309,3 +310,57 @@ def test_slices_of_one_projection(backend, B, T):
     views = [x.view(B, T, n, d) for x, n, d in zip(wide.split([H * K, H * K, HV * V, 7], dim=-1), (H, H, HV), (K, K, V))]
     assert views[0].is_contiguous() == (B * T == 1)  # one token's slice counts as contiguous
     assert_matches_reference(backend, *views, g, beta, state, snapshots=2)
+
+
+FAST_PATH_CASES = {  # (kwargs, inputs changed): the common in-place call, and calls it must leave to the general path
+    "decode": (dict(), None),
+    "cache_slots": (dict(state_indices=torch.tensor([3, 0])), None),
+    "custom_scale_no_l2norm": (dict(scale=0.3, use_qk_l2norm=False), None),
+    "bf16_inputs": (dict(), "bf16"),
+    "requires_grad": (dict(), "grad"),
+    "strided_state": (dict(), "strided"),
+}
+
+
+@pytest.mark.parametrize("gate", ["headwise", "per_channel"])
+@pytest.mark.parametrize("T", [1, 63], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("case", FAST_PATH_CASES)
+def test_inplace_calls_take_the_checked_kernel_call(case, T, gate, monkeypatch):
+    """An in-place call on float32 CPU tensors without autograd is checked and run in one C++ call (what a
+    model's decode makes); any other call falls through to the general path. Both against the float64 loop."""
+    from deltaserve.ops import fused
+    if not fused.available():
+        pytest.skip("fused CPU kernel did not compile here (no C++ compiler or ninja)")
+    kwargs, change = FAST_PATH_CASES[case]
+    kwargs = dict(dict(use_qk_l2norm=True), **kwargs)
+    q, k, v, g, beta, _ = make_inputs(2, T, 2, 4, 16, 24, per_channel=gate == "per_channel", seed=T)
+    cache = torch.randn(4, 4, 16, 24) if "state_indices" in kwargs else torch.randn(2, 4, 16, 24)
+    if change == "strided":
+        cache = torch.randn(2, 4, 24, 16).transpose(2, 3)  # [N, HV, K, V] with a transposed layout
+    if change == "bf16":
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    if not kwargs["use_qk_l2norm"]:  # unit-scale keys, as the l2norm would give: the state stays bounded
+        q, k = q / 4, k / 4
+    rows = kwargs.get("state_indices", torch.arange(2)).long()
+    expected = reference(q, k, v, g, beta, cache[rows].clone(), scale=kwargs.get("scale"),
+                         l2=kwargs["use_qk_l2norm"])
+    if change == "grad":
+        q.requires_grad_(True)
+    ext, ran = fused.extension(), []
+
+    class Spy:  # the kernel module, noting whether the checked call ran
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+        def gdr_inplace(self, *args):
+            out = ext.gdr_inplace(*args)
+            ran.append(out is not None)
+            return out
+
+    monkeypatch.setattr(fused, "extension", Spy)
+    o, state = gated_delta_rule(q, k, v, g, beta, initial_state=cache, inplace=True, **kwargs)
+    assert ran == [case in ("decode", "cache_slots", "custom_scale_no_l2norm")]
+    assert state is cache and o.dtype == v.dtype
+    tol = 2e-4 if change != "bf16" else 2e-2
+    assert_close(o.detach(), expected[0], tol)
+    assert_close(cache[rows], expected[1], tol)

@@ -267,16 +267,12 @@ inline torch::Tensor token_rows(const torch::Tensor& x) {
 
 // q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV] or [B, T, HV, K]; beta [B, T, HV], any float dtype and
 // layout (converted here where the kernel cannot read them as they are); B * T tokens of all sequences in
-// order ([1, T] when packed). state [S, HV, K, V] float32 contiguous, advanced in place: sequence n owns
-// row state_idx[n] (row n without state_idx). cu_seqlens [N + 1] int64.
-// Returns (out float32 [B, T, HV, V], snaps [N, n_snaps, HV, K, V] newest first, or empty); both are
-// allocated here, so a decode step is one call from Python.
-std::tuple<torch::Tensor, torch::Tensor> gdr_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
-                                                     torch::Tensor beta, torch::Tensor state, torch::Tensor cu_seqlens,
-                                                     c10::optional<torch::Tensor> state_idx, int64_t n_snaps,
-                                                     double scale, bool l2norm) {
-  const auto f32 = at::TensorOptions().dtype(at::kFloat);  // at::empty: torch::empty's autograd layer costs us
-  torch::Tensor out = at::empty(v.sizes(), f32);
+// order ([1, T] when packed), sequence n at tokens cu[n] .. cu[n + 1]. state [S, HV, K, V] float32
+// contiguous, advanced in place: sequence n owns row state_idx[n] (row n when null). Writes out float32
+// contiguous [B, T, HV, V] and snaps [N, n_snaps, HV, K, V] (newest first; empty when n_snaps is 0).
+void gdr_run(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
+             torch::Tensor state, const int64_t* cu, int64_t N, const int64_t* state_idx, torch::Tensor out,
+             torch::Tensor snaps, double scale, bool l2norm) {
   q = token_rows(q);
   k = token_rows(k);
   v = token_rows(v);
@@ -293,13 +289,11 @@ std::tuple<torch::Tensor, torch::Tensor> gdr_forward(torch::Tensor q, torch::Ten
   a.vs = v.stride(-3);
   a.state = state.data_ptr<float>();
   a.out = out.data_ptr<float>();
-  a.cu = cu_seqlens.data_ptr<int64_t>();
-  if (state_idx) state_idx = state_idx->contiguous();
-  a.state_idx = state_idx ? state_idx->data_ptr<int64_t>() : nullptr;
-  a.N = cu_seqlens.size(0) - 1;
-  a.n_snaps = n_snaps;
-  torch::Tensor snaps = at::empty({n_snaps ? a.N : 0, n_snaps, state.size(1), state.size(2), state.size(3)}, f32);
-  a.snaps = n_snaps ? snaps.data_ptr<float>() : nullptr;
+  a.cu = cu;
+  a.state_idx = state_idx;
+  a.N = N;
+  a.n_snaps = snaps.numel() ? snaps.size(1) : 0;
+  a.snaps = a.n_snaps ? snaps.data_ptr<float>() : nullptr;
   a.H = q.size(-2);
   a.HV = state.size(1);
   a.K = state.size(2);
@@ -350,7 +344,60 @@ std::tuple<torch::Tensor, torch::Tensor> gdr_forward(torch::Tensor q, torch::Ten
       else run_block<false>(a, w0, w1, n, hv, c0, width);
     }
   }
-  return {out, snaps};
+}
+
+// The general entry (ops/fused.py, which allocates out and snaps): cu_seqlens [N + 1] int64, state_idx [N]
+// int64 or None.
+void gdr_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
+                 torch::Tensor state, torch::Tensor cu_seqlens, c10::optional<torch::Tensor> state_idx,
+                 torch::Tensor out, torch::Tensor snaps, double scale, bool l2norm) {
+  if (state_idx) state_idx = state_idx->contiguous();
+  gdr_run(q, k, v, g, beta, state, cu_seqlens.data_ptr<int64_t>(), cu_seqlens.size(0) - 1,
+          state_idx ? state_idx->data_ptr<int64_t>() : nullptr, out, snaps, scale, l2norm);
+}
+
+// The common call of gated_delta_rule checked and run here, where the checks take nanoseconds (in Python they
+// cost ~5 us, an eighth of a decode step): float32 CPU tensors, no autograd, q, k [B, T, H, K], v [B, T, HV,
+// V] with HV a multiple of H, g [B, T, HV] or [B, T, HV, K], beta [B, T, HV], B sequences of T tokens, state
+// float32 contiguous [B, HV, K, V], or [S, HV, K, V] of which sequence n owns row state_idx[n] (int64 [B],
+// distinct rows in range), advanced in place. Returns out [B, T, HV, V], or None for any other call: the
+// caller then takes the general path, which runs it or names what is wrong.
+c10::optional<torch::Tensor> gdr_inplace(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
+                                         torch::Tensor beta, torch::Tensor state, c10::optional<torch::Tensor> state_idx,
+                                         c10::optional<double> scale, bool l2norm) {
+  const bool grad = at::GradMode::is_enabled();
+  for (const torch::Tensor* t : {&q, &k, &v, &g, &beta, &state})
+    if (!t->defined() || !t->device().is_cpu() || t->scalar_type() != at::kFloat || (grad && t->requires_grad()))
+      return c10::nullopt;
+  if (q.dim() != 4 || k.sizes() != q.sizes() || v.dim() != 4 || state.dim() != 4 || !state.is_contiguous())
+    return c10::nullopt;
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), K = q.size(3), HV = v.size(2), V = v.size(3);
+  if (v.size(0) != B || v.size(1) != T || H == 0 || HV % H || beta.sizes() != at::IntArrayRef({B, T, HV}) ||
+      (g.sizes() != at::IntArrayRef({B, T, HV}) && g.sizes() != at::IntArrayRef({B, T, HV, K})) ||
+      state.size(1) != HV || state.size(2) != K || state.size(3) != V)
+    return c10::nullopt;
+  const int64_t* rows = nullptr;
+  if (state_idx) {
+    const torch::Tensor& idx = *state_idx;
+    if (!idx.device().is_cpu() || idx.scalar_type() != at::kLong || idx.dim() != 1 || idx.size(0) != B ||
+        !idx.is_contiguous())
+      return c10::nullopt;
+    rows = idx.data_ptr<int64_t>();
+    for (int64_t n = 0; n < B; ++n) {
+      if (rows[n] < 0 || rows[n] >= state.size(0)) return c10::nullopt;
+      for (int64_t m = 0; m < n; ++m)
+        if (rows[m] == rows[n]) return c10::nullopt;
+    }
+  } else if (state.size(0) != B) {
+    return c10::nullopt;
+  }
+  std::vector<int64_t> cu(B + 1);
+  for (int64_t n = 0; n <= B; ++n) cu[n] = n * T;
+  // at::empty: torch::empty's autograd layer costs ~5 us
+  torch::Tensor out = at::empty(v.sizes(), at::TensorOptions().dtype(at::kFloat));
+  gdr_run(q, k, v, g, beta, state, cu.data(), B, rows, out, at::empty({0}, out.options()),
+          scale ? *scale : 1.0 / std::sqrt(static_cast<double>(K)), l2norm);
+  return out;
 }
 
 }  // namespace deltaserve
