@@ -105,7 +105,7 @@ class Linear(nn.Linear):
 
 class Embedding(nn.Module):
     """The token embedding table [vocab, E], in any form embed_tokens() reads. Not nn.Embedding: its
-    random init, run on the meta device while a model is built, imports torch._dynamo (1 s, ~40 MB)."""
+    random init, run on the meta device while a model is built, imports torch._dynamo and sympy (1 s, ~60 MB)."""
 
     def __init__(self, num: int, dim: int):
         super().__init__()

@@ -93,7 +93,7 @@ class QwenModel(nn.Module):
     def __init__(self, config: QwenConfig):
         super().__init__()
         self.config = config
-        self.compute_dtype = torch.float32  # activations, caches; weights may be stored narrower
+        self.compute_dtype = torch.float32  # activations (and conv states); weights may be stored narrower
         self.cache_dtype: torch.dtype | None = None  # the KV cache's (None: compute_dtype); see load_model
         self.embed = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))

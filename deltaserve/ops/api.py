@@ -126,7 +126,6 @@ def _left_pad(cu_seqlens, *xs):
 
 
 def _check(q, k, v, g, beta, initial_state, cu_seqlens, state_indices, inplace, snapshots, backend):
-    # Runs on every decode step beside a ~35 us kernel: each shape and device is read once.
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     device = q.device if isinstance(q, torch.Tensor) else None

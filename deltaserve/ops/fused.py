@@ -69,7 +69,8 @@ def fused(q, k, v, g, beta, *, scale, state, cu_seqlens, snapshots, use_qk_l2nor
     N, (_, HV, K, V) = cu_seqlens.numel() - 1, state.shape
     o = torch.empty(v.shape, dtype=torch.float32)
     snaps = torch.empty((N, snapshots, HV, K, V), dtype=torch.float32) if snapshots else EMPTY_F32
-    extension().gdr_forward(q, k, v, g, beta, state, cu_seqlens, state_indices, o, snaps, scale, use_qk_l2norm)
+    extension().gdr_forward(q, k, v, g, beta, state, cu_seqlens, state_indices, o, snaps, float(scale),
+                            bool(use_qk_l2norm))
     return o, state, (snaps if snapshots else None)
 
 
@@ -79,7 +80,7 @@ def inplace_step(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm):
     for any other call (then the general path runs it, or names what is wrong)."""
     try:
         return extension().gdr_inplace(q, k, v, g, beta, state, state_indices,
-                                       None if scale is None else float(scale), use_qk_l2norm)
+                                       None if scale is None else float(scale), bool(use_qk_l2norm))
     except (TypeError, ValueError):  # arguments pybind cannot take (not tensors, ...): the general path's to name
         return None
 
