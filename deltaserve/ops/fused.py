@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import os
 import platform
 from pathlib import Path
@@ -20,16 +21,26 @@ _CSRC = Path(__file__).parent / "csrc"  # module.cpp includes the kernel headers
 
 @functools.cache
 def extension():
-    from torch.utils import cpp_extension
-
     source = b"".join(f.read_bytes() for f in sorted(_CSRC.iterdir()) if f.suffix in (".cpp", ".h"))
     # -march=native code is only valid on this CPU: key the build by source, CPU and torch.
     cpu = platform.processor() + _cpu_flags()
     tag = hashlib.sha256(source + cpu.encode() + torch.__version__.encode() + b"omp").hexdigest()[:12]
     build = Path(os.environ.get("DELTASERVE_CACHE", Path.home() / ".cache" / "deltaserve")) / f"cpu_kernels_{tag}"
+    name = f"deltaserve_cpu_kernels_{tag}"
+    built = build / f"{name}.so"
+    if built.is_file():  # built before from exactly this source for this CPU and torch: no builder needed
+        try:  # (importing torch's builder and its ninja check cost ~0.5 s and 5 MB a process)
+            spec = importlib.util.spec_from_file_location(name, built)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+        except ImportError:  # half-written by a concurrent build: the builder waits for it
+            pass
+    from torch.utils import cpp_extension
+
     build.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(
-        name=f"deltaserve_cpu_kernels_{tag}",
+        name=name,
         sources=[str(_CSRC / "module.cpp")],
         extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
         extra_ldflags=["-fopenmp"],

@@ -269,7 +269,7 @@ inline torch::Tensor token_rows(const torch::Tensor& x) {
 // layout (converted here where the kernel cannot read them as they are); B * T tokens of all sequences in
 // order ([1, T] when packed), sequence n at tokens cu[n] .. cu[n + 1]. state [S, HV, K, V] float32
 // contiguous, advanced in place: sequence n owns row state_idx[n] (row n when null). Writes out float32
-// contiguous [B, T, HV, V] and snaps [N, n_snaps, HV, K, V] (newest first; empty when n_snaps is 0).
+// contiguous [B, T, HV, V] and snaps [N, n_snaps, HV, K, V] (newest first; undefined or empty: none).
 void gdr_run(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
              torch::Tensor state, const int64_t* cu, int64_t N, const int64_t* state_idx, torch::Tensor out,
              torch::Tensor snaps, double scale, bool l2norm) {
@@ -292,7 +292,7 @@ void gdr_run(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   a.cu = cu;
   a.state_idx = state_idx;
   a.N = N;
-  a.n_snaps = snaps.numel() ? snaps.size(1) : 0;
+  a.n_snaps = snaps.defined() && snaps.numel() ? snaps.size(1) : 0;
   a.snaps = a.n_snaps ? snaps.data_ptr<float>() : nullptr;
   a.H = q.size(-2);
   a.HV = state.size(1);
@@ -395,7 +395,7 @@ c10::optional<torch::Tensor> gdr_inplace(torch::Tensor q, torch::Tensor k, torch
   for (int64_t n = 0; n <= B; ++n) cu[n] = n * T;
   // at::empty: torch::empty's autograd layer costs ~5 us
   torch::Tensor out = at::empty(v.sizes(), at::TensorOptions().dtype(at::kFloat));
-  gdr_run(q, k, v, g, beta, state, cu.data(), B, rows, out, at::empty({0}, out.options()),
+  gdr_run(q, k, v, g, beta, state, cu.data(), B, rows, out, torch::Tensor(),
           scale ? *scale : 1.0 / std::sqrt(static_cast<double>(K)), l2norm);
   return out;
 }
