@@ -114,7 +114,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="f32", help="make_model dtype: f32, f16, q8_0 (default f32)")
     p.add_argument("--prefix", type=int, default=2000, help="shared prefix in tokens (default 2000)")
     p.add_argument("--turn", type=int, default=24, help="tokens of the last turn (default 24)")
-    p.add_argument("--interval", type=int, default=256, help="checkpoint interval (default 256)")
+    p.add_argument("--interval", type=int, default=512, help="checkpoint interval (default 512, the engine's)")
     p.add_argument("--tokens", type=int, default=200, help="tokens to decode (default 200)")
     p.add_argument("--spec-tokens", type=int, default=4, help="draft tokens per step (default 4)")
     p.add_argument("--repeats", type=int, default=3, help="runs per measurement (default 3)")
