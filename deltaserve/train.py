@@ -32,7 +32,7 @@ from torch.nn.utils import parametrize
 
 from deltaserve.errors import DeltaserveError
 from deltaserve.loader import open_checkpoint
-from deltaserve.models.config import QwenConfig
+from deltaserve.models.qwen.config import QwenConfig
 from deltaserve.models.make import ARCHES, HybridShape, write_gguf
 from deltaserve.models.qwen import QwenModel
 from deltaserve.tokenizer import Tokenizer, train_bpe

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from deltaserve.errors import DeltaserveError
 
 from .prefix import Block, PrefixStore
-from .state import RecurrentCopy
+from deltaserve.models.state import RecurrentCopy
 
 
 class CacheManager:

@@ -16,7 +16,7 @@ import torch
 
 from deltaserve.errors import DeltaserveError
 
-from .state import RecurrentCopy
+from deltaserve.models.state import RecurrentCopy
 
 KV = tuple[list[torch.Tensor | None], list[torch.Tensor | None]]  # keys, values per attention layer
 

@@ -12,7 +12,7 @@ import inspect
 import torch
 
 from deltaserve.cache.manager import CacheManager
-from deltaserve.cache.state import HybridState
+from deltaserve.models.state import HybridState
 
 
 class ModelRunner:

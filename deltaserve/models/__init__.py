@@ -1,21 +1,27 @@
-"""Model definitions: configs, shared layers, the Qwen hybrid family and Kimi Linear."""
+"""Model definitions: the families (one package each: config and layers with their weight table), the
+shared trunk (base.py), layers, per-slot state, and the registry that picks a family for a checkpoint."""
 
 from deltaserve.errors import ModelLoadError
 
-from .config import KimiConfig, QwenConfig
-from .kimi import KimiModel
-from .qwen import QwenModel
+from .base import HybridModel
+from .kimi import KimiConfig, KimiModel
+from .qwen import QwenConfig, QwenModel
 
+FAMILIES: tuple[type[HybridModel], ...] = (QwenModel, KimiModel)
 # GGUF general.architecture / HF model_type -> model class
-ARCHITECTURES = {
-    "qwen35": QwenModel, "qwen35moe": QwenModel, "qwen3next": QwenModel,
-    "qwen3_5": QwenModel, "qwen3_5_text": QwenModel, "qwen3_5_moe": QwenModel, "qwen3_5_moe_text": QwenModel,
-    "qwen3_next": QwenModel,
-    "kimi-linear": KimiModel, "kimi_linear": KimiModel,
-}
+ARCHITECTURES = {name: f for f in FAMILIES for name in (*f.gguf_archs, *f.hf_model_types)}
 
 
-def load_model(ckpt, dtype=None, device="cpu", weight_dtype=None, kv_dtype=None):
+def family_of(ckpt) -> type[HybridModel]:
+    """The model class that reads an opened checkpoint (deltaserve.loader.open_checkpoint)."""
+    arch = ckpt.arch if hasattr(ckpt, "metadata") else ckpt.config.get("model_type")
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
+        raise ModelLoadError(ckpt.path, f"unknown architecture {arch!r} (deltaserve runs: "
+                                        f"{', '.join(sorted(ARCHITECTURES))})")
+    return ARCHITECTURES[arch]
+
+
+def load_model(ckpt, dtype=None, device="cpu", weight_dtype=None, kv_dtype=None) -> HybridModel:
     """The model of an opened checkpoint (deltaserve.loader.open_checkpoint), weights on `device`.
 
     dtype: the activations' dtype (default float32). weight_dtype: how matmul weights are stored; by default,
@@ -26,18 +32,13 @@ def load_model(ckpt, dtype=None, device="cpu", weight_dtype=None, kv_dtype=None)
     cache type: half the memory of float32 keys and values), else `dtype`."""
     import torch
 
-    arch = ckpt.arch if hasattr(ckpt, "metadata") else ckpt.config.get("model_type")
-    if arch not in ARCHITECTURES:
-        raise ModelLoadError(ckpt.path, f"unknown architecture '{arch}' (deltaserve runs: "
-                                        f"{', '.join(sorted(ARCHITECTURES))})")
+    cls = family_of(ckpt)
     dtype = dtype or torch.float32
     if weight_dtype is None:
         weight_dtype = _stored_dtype(ckpt) if dtype == torch.float32 else dtype
     if kv_dtype is None:
         kv_dtype = torch.float16 if dtype == torch.float32 and weight_dtype != torch.float32 else dtype
-    model = ARCHITECTURES[arch].from_checkpoint(ckpt, dtype=dtype, device=device, weight_dtype=weight_dtype)
-    model.cache_dtype = kv_dtype
-    return model
+    return cls.from_checkpoint(ckpt, dtype=dtype, device=device, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
 
 
 def _stored_dtype(ckpt):
@@ -52,4 +53,5 @@ def _stored_dtype(ckpt):
     return torch.float32 if qtype in (Q.F32, Q.F64) else torch.int8 if qtype == Q.Q8_0 else torch.float16
 
 
-__all__ = ["ARCHITECTURES", "KimiConfig", "KimiModel", "QwenConfig", "QwenModel", "load_model"]
+__all__ = ["ARCHITECTURES", "FAMILIES", "HybridModel", "KimiConfig", "KimiModel", "QwenConfig", "QwenModel",
+           "family_of", "load_model"]

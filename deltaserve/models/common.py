@@ -7,33 +7,36 @@ from pathlib import Path
 
 import torch
 
-from deltaserve.cache.state import HybridState
+from deltaserve.models.state import HybridState
 from deltaserve.errors import DeltaserveError, ModelLoadError
 from deltaserve.loader.gguf_file import progress_bar
 from deltaserve.loader.memory import loading_memory, weight_empty
 from deltaserve.models.layers import Experts, Linear, linear, quantize_q8
 
 
-def build(cls, config_cls, weights_from_gguf, weights_from_hf, ckpt, *, dtype: torch.dtype, device,
-          weight_dtype: torch.dtype | None, keep_fp32: tuple[str, ...]):
-    """An instance of model class `cls` from an opened checkpoint: a GGUF file (has `.metadata`) or a
-    transformers directory (has `.config`), read by the family's config class and weight functions.
-    Parameters whose names end with `keep_fp32` stay float32; the others are stored in `weight_dtype`
+def build(cls, ckpt, *, dtype: torch.dtype, device, weight_dtype: torch.dtype | None,
+          kv_dtype: torch.dtype | None):
+    """An instance of HybridModel subclass `cls` from an opened checkpoint: a GGUF file (has `.metadata`) or
+    a transformers directory (has `.config`), read by the family's config class and weight table.
+    Parameters whose names end with `cls.keep_fp32` stay float32; the others are stored in `weight_dtype`
     (default `dtype`, the dtype the activations are computed in). weight_dtype=torch.int8 stores the matmul
     weights in Q8_0 form where their values are exactly that (a Q8_0 file's), the others in float16 where
     that is exact, else float32: no value changes."""
+    from deltaserve.models.weights import load_params
+
     if getattr(ckpt, "metadata", None) is not None:
         vocab = ckpt.shape("token_embd.weight")[0] if ckpt.has("token_embd.weight") else None
-        config = config_cls.from_gguf(ckpt.metadata, str(ckpt.path), vocab_size=vocab,
-                                      tie_word_embeddings=not ckpt.has("output.weight"))
-        weights = weights_from_gguf(ckpt, config)
+        config = cls.config_class.from_gguf(ckpt.metadata, str(ckpt.path), vocab_size=vocab,
+                                            tie_word_embeddings=not ckpt.has("output.weight"))
+        weights = load_params(cls.weight_table(config), ckpt, "gguf")
     else:
-        config = config_cls.from_hf(ckpt.config, str(ckpt.path))
-        weights = weights_from_hf(ckpt, config)
-    with torch.device("meta"):
-        model = cls(config).requires_grad_(False)  # before loading: int8 weights cannot require gradients
+        config = cls.config_class.from_hf(ckpt.config, str(ckpt.path))
+        root = "model.language_model." if ckpt.has("model.language_model.embed_tokens.weight") else "model."
+        weights = load_params(cls.weight_table(config, hf_root=root), ckpt, "hf")
+    with torch.device("meta"):  # before loading: int8 weights cannot require gradients
+        model = cls(config, compute_dtype=dtype, cache_dtype=kv_dtype).requires_grad_(False)
     stored = weight_dtype or dtype
-    keep = {name for name, _ in model.named_parameters() if name.endswith(keep_fp32)}
+    keep = {name for name, _ in model.named_parameters() if name.endswith(cls.keep_fp32)}
     q8, exact = set(), stored == torch.int8  # Q8_0 mode: no value may change
     if exact:  # only weights that linear() / embed_tokens() read may take the Q8_0 form
         stored = torch.float16
@@ -53,10 +56,9 @@ def build(cls, config_cls, weights_from_gguf, weights_from_hf, ckpt, *, dtype: t
                 params[name] = _store(t, stored, device)
             bar.update(params[name].numel() * (4 if name in keep else stored.itemsize))
     missing = sorted(set(dict(model.named_parameters())) - set(params))
-    if missing:  # a bug in the weight functions, not in the file
+    if missing:  # a bug in the weight table, not in the file
         raise ModelLoadError(ckpt.path, f"internal weights not produced: {missing[:5]}")
     model.load_state_dict(params, assign=True)
-    model.compute_dtype = dtype
     return model.eval()
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from deltaserve.cache.prefix import PrefixStore
-from deltaserve.cache.state import RecurrentCopy
+from deltaserve.models.state import RecurrentCopy
 from deltaserve.errors import DeltaserveError
 
 N = 4  # tokens per block

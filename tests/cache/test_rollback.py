@@ -83,7 +83,7 @@ def test_rollback_refuses_what_it_cannot_do(loaded):
 
 
 def test_kv_rows_copy_out_and_in():
-    from deltaserve.cache.state import HybridState
+    from deltaserve.models.state import HybridState
 
     s = HybridState.allocate([True, False, False], n_slots=2, max_len=9, conv=(2, 3), ssm=(1, 2, 2),
                              k=(2, 5), v=(2, 3))

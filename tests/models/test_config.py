@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deltaserve.errors import DeltaserveError, ModelLoadError
-from deltaserve.models.config import QwenConfig
+from deltaserve.models.qwen import QwenConfig
 
 LIN, FULL = "linear_attention", "full_attention"
 

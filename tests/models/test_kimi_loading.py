@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from deltaserve.errors import ModelLoadError
 from deltaserve.loader import open_checkpoint
 from deltaserve.models import KimiModel
-from deltaserve.models.config import KimiConfig
+from deltaserve.models.kimi import KimiConfig
 from tests.models.test_kimi_transformers import LIN, FULL, reference_logits, rel_err, tiny_kimi  # noqa: F401
 
 

@@ -21,7 +21,7 @@ from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearForge
 from deltaserve.errors import DeltaserveError
 from deltaserve.loader import open_checkpoint
 from deltaserve.models import ARCHITECTURES, KimiModel, load_model
-from deltaserve.models.config import KimiConfig
+from deltaserve.models.kimi import KimiConfig
 from deltaserve.models.kimi import KimiDeltaAttention
 
 LIN, FULL = "linear_attention", "full_attention"
@@ -191,7 +191,7 @@ def test_bfloat16_weights_stay_close(tiny_kimi):
     kda, moe = model.layers[0], model.layers[-1]
     assert kda.input_norm.weight.dtype == kda.mixer.A.dtype == kda.mixer.dt_bias.dtype == torch.float32
     assert moe.ffn.router.weight.dtype == moe.ffn.expert_bias.dtype == torch.float32
-    assert moe.ffn.experts.gate_up.dtype == moe.mixer.k_b.dtype == torch.bfloat16
+    assert moe.ffn.experts.gate_up.dtype == moe.mixer.kv_b.dtype == torch.bfloat16
     ids = torch.randint(0, 307, (2, 11), generator=torch.Generator().manual_seed(5))
     ref = reference_logits(tiny_kimi, ids)
     got = model(ids, model.new_state(2, 11), [0, 1], logits="all")

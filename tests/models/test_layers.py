@@ -11,7 +11,6 @@ from deltaserve.models import layers
 from deltaserve.ops import fused
 from deltaserve.models.layers import (Experts, GatedAttention, RMSNorm, RotaryEmbedding, apply_rotary, cached_attention, softmax_topk,
                                       swiglu)
-from deltaserve.models.qwen import _tiled_to_grouped
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -139,20 +138,6 @@ def test_router_and_experts_against_per_token_loop():
         assert torch.allclose(out[m].double(), expected, atol=1e-5)
     unnormalised, _ = softmax_topk(logits, top_k, normalize=False)
     assert torch.allclose(unnormalised, logits.softmax(-1).topk(top_k).values)
-
-
-def test_tiled_to_grouped_value_head_order():
-    H, r, head = 3, 2, 4
-    # tiled row block j = rr * H + kh holds value head (kh, rr); fill it with the grouped index kh * r + rr
-    tiled = torch.empty(H * r * head, 5)
-    for rr in range(r):
-        for kh in range(H):
-            j = rr * H + kh
-            tiled[j * head:(j + 1) * head] = kh * r + rr
-    grouped = _tiled_to_grouped(tiled, 0, H, r, head)
-    assert torch.equal(grouped[:, 0], torch.arange(H * r).repeat_interleave(head).float())
-    cols = _tiled_to_grouped(tiled.T.contiguous(), 1, H, r, head)
-    assert torch.equal(cols, grouped.T)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["f32_cache", "f16_cache"])

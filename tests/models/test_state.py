@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltaserve.cache.state import HybridState
+from deltaserve.models.state import HybridState
 from deltaserve.errors import DeltaserveError
 
 

@@ -1,0 +1,153 @@
+"""What every hybrid family shares: the trunk (embedding, layers, final norm, output head), the per-slot
+state, the cached forward with snapshots, and building from a checkpoint through the family's weight table.
+
+A family subclasses `HybridModel` and provides its config class, its layers (`make_layer`), the sizes of
+its state (`state_sizes`), how a full-attention layer is called (`attend`) and its checkpoint contract
+(`weight_table`, see models/weights.py). Everything else, loading included, is here once.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from deltaserve.models.common import build, check_batch, check_ids, lm_logits
+from deltaserve.models.layers import Embedding, Linear, RMSNorm
+from deltaserve.models.state import HybridState, Snapshots
+from deltaserve.models.weights import Param
+
+
+class HybridModel(nn.Module, ABC):
+    """Recurrent ("linear_attention") and full-attention layers, each followed by an MLP or an MoE.
+
+    compute_dtype: the activations' dtype (and the conv state's). cache_dtype: the KV cache's (None: as the
+    activations). Every layer has `.recurrent`, `.input_norm`, `.mixer`, `.post_norm` and `.ffn`; a
+    recurrent mixer takes (x, conv_state, ssm_state, slots, snapshots=K)."""
+
+    config_class: type
+    gguf_archs: tuple[str, ...] = ()  # general.architecture values this family reads
+    hf_model_types: tuple[str, ...] = ()  # config.json model_type values this family reads
+    keep_fp32: tuple[str, ...] = ("norm.weight", ".A", ".dt_bias", "conv_weight")  # names kept float32
+    supports_snapshots = True  # forward(..., snapshots=K) keeps per-token states: speculative rollback works
+    supports_training = False  # forward without a state runs whole sequences differentiably
+
+    def __init__(self, config, compute_dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.config = config
+        self.compute_dtype = compute_dtype
+        self.cache_dtype = cache_dtype
+        self.embed = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(self.make_layer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size,
+                                                                        bias=False)
+
+    # -- what a family provides ---------------------------------------------------------------------
+
+    @classmethod
+    @abstractmethod
+    def weight_table(cls, config, hf_root: str = "model.") -> list[Param]:
+        """Every parameter with its Hugging Face and GGUF layouts (hf_root: where the language model's
+        tensors live in a transformers checkpoint)."""
+        ...
+
+    @abstractmethod
+    def make_layer(self, config, index: int) -> nn.Module:
+        ...
+
+    @abstractmethod
+    def state_sizes(self) -> dict[str, tuple[int, ...]]:
+        """Per slot: conv (W-1, channels), ssm (heads, K, V), and per token k / v (kv heads, width)."""
+        ...
+
+    def rope(self, positions: torch.Tensor):
+        """What the attention layers need of the positions [N, T] (None: no rotary embedding)."""
+        return None
+
+    @abstractmethod
+    def attend(self, layer: nn.Module, x: torch.Tensor, rope, k_cache, v_cache, slots, start) -> torch.Tensor:
+        """A full-attention layer's mixer over x [N, T, E], continuing cache rows `slots` from `start`."""
+        ...
+
+    # -- shared -------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_checkpoint(cls, ckpt, dtype: torch.dtype = torch.float32, device="cpu",
+                        weight_dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None):
+        """Build from an opened checkpoint (a GGUF file or a transformers directory). Parameters named in
+        `keep_fp32` stay float32; every other weight is stored in `weight_dtype` (default `dtype`)."""
+        return build(cls, ckpt, dtype=dtype, device=device, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+
+    def new_state(self, n_slots: int, max_len: int) -> HybridState:
+        s = self.state_sizes()
+        return HybridState.allocate([layer.recurrent for layer in self.layers], n_slots, max_len,
+                                    conv=s["conv"], ssm=s["ssm"], k=s["k"], v=s["v"], dtype=self.compute_dtype,
+                                    kv_dtype=self.cache_dtype, device=self.embed.weight.device)
+
+    def forward(self, input_ids: torch.Tensor, state: HybridState | None = None, slots=None,
+                logits: str = "last", snapshots: int = 0) -> torch.Tensor:
+        """Continue N sequences by T tokens each. input_ids [N, T]; slots [N] rows of `state`.
+
+        Writes the new recurrent state and KV entries in place and advances state.lengths[slots] by T.
+        Returns float32 logits [N, vocab] for the last token ("last") or [N, T, vocab] ("all").
+        snapshots=K > 0 also keeps in state.snapshots the recurrent states after each of the last K
+        tokens, so that state.rollback can return any slot to one of those positions.
+        Without `state` (training, where the family supports it): each row is a whole sequence from an
+        empty state, nothing is kept, gradients flow, and the logits of every position come back.
+        """
+        if state is None:
+            if not self.supports_training:
+                raise TypeError(f"{type(self).__name__}.forward needs a state (see new_state)")
+            input_ids = check_ids(input_ids, self.config.vocab_size).to(self.embed.weight.device)
+            N, T = input_ids.shape
+            return self._trunk(input_ids, torch.arange(T, device=input_ids.device).expand(N, T),
+                               None, None, None, "all")
+        with torch.inference_mode():
+            input_ids, slots = check_batch(self, input_ids, state, slots, logits)
+            start = state.lengths[slots]  # [N] tokens already in each slot
+            T = input_ids.shape[1]
+            snaps = Snapshots(slots.tolist(), (start + T).tolist(), T, snapshots, [None] * len(self.layers),
+                              [None] * len(self.layers)) if snapshots else None
+            out = self._trunk(input_ids, start[:, None] + torch.arange(T, device=start.device),
+                              state, slots, start, logits, snaps)
+            state.lengths[slots] = start + T
+            if snaps is not None:
+                state.snapshots = snaps
+            return out
+
+    def _trunk(self, input_ids, positions, state: HybridState | None, slots, start, logits: str,
+               snaps: Snapshots | None = None) -> torch.Tensor:
+        rope = self.rope(positions)
+        h = self.embed(input_ids, self.compute_dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer.input_norm(h)
+            if layer.recurrent and snaps is not None:
+                x, snaps.conv[i], snaps.ssm[i] = layer.mixer(x, state.conv[i], state.ssm[i], slots,
+                                                             snapshots=snaps.depth)
+            elif layer.recurrent:  # the ops read and write the cache rows of `slots` in place
+                conv, ssm = (None, None) if state is None else (state.conv[i], state.ssm[i])
+                x = layer.mixer(x, conv, ssm, slots)
+            else:
+                k_cache, v_cache = (None, None) if state is None else (state.k[i], state.v[i])
+                x = self.attend(layer, x, rope, k_cache, v_cache, slots, start)
+            h = h + x
+            h = h + layer.ffn(layer.post_norm(h))
+        h = self.norm(h[:, -1] if logits == "last" else h)
+        return lm_logits(self, h)
+
+
+def conv_tape(conv_state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """[conv state before x | x], [N, W-1+T, C]: the conv state after token t of x is rows t+1 .. t+W-1
+    (HybridState.rollback reads them), so snapshots of the short conv cost one concatenation."""
+    return torch.cat([conv_state[slots].to(x.dtype), x], dim=1)
+
+
+def regular_interval(layer_types: Sequence[str]) -> int | None:
+    """n where layer i is full attention exactly when (i + 1) % n == 0, else None."""
+    for n in range(1, len(layer_types) + 2):
+        if all((t == "full_attention") == ((i + 1) % n == 0) for i, t in enumerate(layer_types)):
+            return n
+    return None

@@ -1,0 +1,259 @@
+"""The shape of a Qwen hybrid model (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), read from either format.
+
+One dataclass covers the three architectures: a stack of Gated DeltaNet ("linear_attention") and
+gated full-attention ("full_attention") layers, each followed by a dense SwiGLU MLP or a softmax-routed
+MoE with a gated shared expert. `from_hf` reads a transformers config.json, `from_gguf` reads GGUF
+metadata; both hand their numbers to the constructor, which checks that they fit together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from deltaserve.errors import DeltaserveError, ModelLoadError
+
+ARCHS = ("qwen35", "qwen35moe", "qwen3next")
+LAYER_TYPES = ("linear_attention", "full_attention")
+FFN_TYPES = ("dense", "moe")
+
+# transformers model_type -> GGUF architecture name (our canonical name)
+_HF_ARCH = {
+    "qwen3_5": "qwen35",
+    "qwen3_5_text": "qwen35",
+    "qwen3_5_moe": "qwen35moe",
+    "qwen3_5_moe_text": "qwen35moe",
+    "qwen3_next": "qwen3next",
+}
+
+
+@dataclass(frozen=True)
+class QwenConfig:
+    arch: str  # "qwen35" | "qwen35moe" | "qwen3next"
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]  # one per trunk layer; MTP layers are not counted
+    ffn_types: tuple[str, ...]  # "dense" | "moe", one per trunk layer
+    # gated full attention
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int  # rope acts on the first rotary_dim channels of each head
+    rope_theta: float
+    rms_norm_eps: float
+    # Gated DeltaNet: H key heads of size K, HV value heads of size V
+    conv_kernel: int
+    linear_k_heads: int
+    linear_v_heads: int
+    linear_k_dim: int
+    linear_v_dim: int
+    # feed-forward
+    intermediate_size: int = 0  # dense MLP width (0: no dense layer)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    norm_topk_prob: bool = True
+    tie_word_embeddings: bool = False
+    mtp_layers: int = 0  # next-token-prediction blocks in the checkpoint, skipped when loading
+    max_position_embeddings: int = 0  # 0: not stated
+
+    def __post_init__(self):
+        def bad(problem: str):
+            raise DeltaserveError(f"invalid Qwen config: {problem}")
+
+        if self.arch not in ARCHS:
+            bad(f"arch {self.arch!r} is not one of {ARCHS}")
+        for name in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "conv_kernel",
+                     "linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                bad(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not self.layer_types:
+            bad("the model has no layers")
+        if unknown := set(self.layer_types) - set(LAYER_TYPES):
+            bad(f"unknown layer types {sorted(unknown)}; expected {LAYER_TYPES}")
+        if len(self.ffn_types) != len(self.layer_types):
+            bad(f"{len(self.ffn_types)} ffn types for {len(self.layer_types)} layers")
+        if unknown := set(self.ffn_types) - set(FFN_TYPES):
+            bad(f"unknown ffn types {sorted(unknown)}; expected {FFN_TYPES}")
+        if self.num_heads % self.num_kv_heads:
+            bad(f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.linear_v_heads % self.linear_k_heads:
+            bad(f"linear value heads ({self.linear_v_heads}) is not a multiple of "
+                f"linear key heads ({self.linear_k_heads})")
+        if not (0 < self.rotary_dim <= self.head_dim) or self.rotary_dim % 2:
+            bad(f"rotary_dim ({self.rotary_dim}) must be even and in (0, head_dim={self.head_dim}]")
+        if self.conv_kernel < 2:
+            bad(f"conv_kernel ({self.conv_kernel}) must be at least 2")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            bad(f"rms_norm_eps ({self.rms_norm_eps}) and rope_theta ({self.rope_theta}) must be positive")
+        if "dense" in self.ffn_types and self.intermediate_size <= 0:
+            bad(f"dense layers need intermediate_size > 0, got {self.intermediate_size}")
+        if "moe" in self.ffn_types:
+            if self.num_experts <= 0 or self.moe_intermediate_size <= 0:
+                bad(f"MoE layers need num_experts ({self.num_experts}) and moe_intermediate_size "
+                    f"({self.moe_intermediate_size}) > 0")
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                bad(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts="
+                    f"{self.num_experts}]")
+        if self.shared_expert_intermediate_size < 0 or self.mtp_layers < 0:
+            bad("shared_expert_intermediate_size and mtp_layers cannot be negative")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short convolution: q, k (H*K each) and v (HV*V)."""
+        return 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
+
+    # ------------------------------------------------------------------ transformers
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any], source: str = "config.json") -> QwenConfig:
+        """Read a transformers config dict (qwen3_next, qwen3_5[_text], qwen3_5_moe[_text])."""
+        model_type = config.get("model_type")
+        if model_type not in _HF_ARCH:
+            raise ModelLoadError(source, f"model_type {model_type!r} is not a Qwen hybrid model "
+                                         f"(expected one of {sorted(_HF_ARCH)})")
+        arch = _HF_ARCH[model_type]
+        text = config.get("text_config") or config  # the vision-language checkpoints nest the LM
+        tie = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+
+        def need(key: str):
+            if key not in text:
+                raise ModelLoadError(source, f"missing config key {key!r}")
+            return text[key]
+
+        if text.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(source, f"hidden_act {text['hidden_act']!r} is not supported (only silu)")
+        if text.get("attention_bias", False):
+            raise ModelLoadError(source, "attention_bias=true is not supported")
+
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ModelLoadError(source, f"rope type {rope_type!r} is not supported (only default)")
+        theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
+        partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+
+        n_layers = need("num_hidden_layers")
+        hidden, heads = need("hidden_size"), need("num_attention_heads")
+        head_dim = text.get("head_dim") or hidden // heads
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            interval = text.get("full_attention_interval", 4)
+            layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
+        if len(layer_types) != n_layers:
+            raise ModelLoadError(source, f"layer_types has {len(layer_types)} entries for {n_layers} layers")
+
+        moe = {}
+        if arch == "qwen35":
+            ffn_types = ["dense"] * n_layers
+        else:
+            moe = dict(num_experts=need("num_experts"), num_experts_per_tok=need("num_experts_per_tok"),
+                       moe_intermediate_size=need("moe_intermediate_size"),
+                       shared_expert_intermediate_size=text.get("shared_expert_intermediate_size", 0),
+                       # Qwen3.5-MoE always renormalises the top-k weights (its router has no switch)
+                       norm_topk_prob=bool(text.get("norm_topk_prob", True)))
+            if arch == "qwen35moe":
+                ffn_types = ["moe"] * n_layers
+            else:  # Qwen3-Next may keep some layers dense
+                only_mlp, step = set(text.get("mlp_only_layers") or ()), text.get("decoder_sparse_step", 1)
+                ffn_types = ["moe" if i not in only_mlp and moe["num_experts"] > 0 and (i + 1) % step == 0
+                             else "dense" for i in range(n_layers)]
+        try:
+            return cls(
+                arch=arch, vocab_size=need("vocab_size"), hidden_size=hidden,
+                layer_types=tuple(layer_types), ffn_types=tuple(ffn_types),
+                num_heads=heads, num_kv_heads=need("num_key_value_heads"), head_dim=head_dim,
+                rotary_dim=int(head_dim * partial), rope_theta=float(theta),
+                rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+                conv_kernel=text.get("linear_conv_kernel_dim", 4),
+                linear_k_heads=need("linear_num_key_heads"), linear_v_heads=need("linear_num_value_heads"),
+                linear_k_dim=need("linear_key_head_dim"), linear_v_dim=need("linear_value_head_dim"),
+                intermediate_size=text.get("intermediate_size", 0) or 0,
+                tie_word_embeddings=bool(tie),
+                mtp_layers=text.get("mtp_num_hidden_layers", text.get("num_nextn_predict_layers", 0)) or 0,
+                max_position_embeddings=text.get("max_position_embeddings", 0) or 0,
+                **moe,
+            )
+        except DeltaserveError as e:
+            raise ModelLoadError(source, str(e)) from None
+
+    # ------------------------------------------------------------------ GGUF
+    @classmethod
+    def from_gguf(cls, metadata: Mapping[str, Any], source: str = "gguf", *, vocab_size: int | None = None,
+                  tie_word_embeddings: bool = False) -> QwenConfig:
+        """Read llama.cpp GGUF metadata. The vocabulary size and whether the output matrix is tied
+        are facts of the tensors, not the metadata: the caller passes them when it has the file."""
+        arch = metadata.get("general.architecture")
+        if arch not in ARCHS:
+            raise ModelLoadError(source, f"general.architecture {arch!r} is not one of {ARCHS}")
+
+        def get(key: str, default: Any = None):
+            value = metadata.get(f"{arch}.{key}", default)
+            if value is None:
+                raise ModelLoadError(source, f"missing metadata key '{arch}.{key}'")
+            return value
+
+        mtp = int(get("nextn_predict_layers", 0))
+        n_layers = int(get("block_count")) - mtp  # MTP blocks are appended after the trunk
+        recurrent = metadata.get(f"{arch}.attention.recurrent_layers")
+        if recurrent is not None:
+            layer_types = ["linear_attention" if r else "full_attention" for r in list(recurrent)[:n_layers]]
+        else:
+            interval = int(get("full_attention_interval", 4))
+            layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
+        attn_layers = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+
+        def num(key: str, default: Any = None, layers: list[int] | None = None) -> int:
+            # llama.cpp allows per-layer arrays (head counts, widths); ours must agree where they are used
+            value = get(key, default)
+            if isinstance(value, (list, tuple)):
+                values = {int(value[i]) for i in (range(n_layers) if layers is None else layers)}
+                if len(values) != 1:
+                    raise ModelLoadError(source, f"'{arch}.{key}' differs between layers: {list(value)}")
+                return values.pop()
+            return int(value)
+
+        hidden, heads = num("embedding_length"), num("attention.head_count", layers=attn_layers)
+        head_dim = num("attention.key_length", hidden // heads)
+        if num("attention.value_length", head_dim) != head_dim:
+            raise ModelLoadError(source, "attention key_length and value_length differ")
+        v_heads, inner = num("ssm.time_step_rank"), num("ssm.inner_size")
+        if inner % v_heads:
+            raise ModelLoadError(source, f"ssm.inner_size ({inner}) is not a multiple of "
+                                         f"ssm.time_step_rank ({v_heads})")
+        if vocab_size is None:
+            vocab_size = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or ())
+
+        moe = {}
+        if arch == "qwen35":
+            ffn_types = ["dense"] * n_layers
+        else:
+            ffn_types = ["moe"] * n_layers
+            # llama.cpp falls back to the dense width when the shared expert width is not stated
+            shared = num("expert_shared_feed_forward_length", metadata.get(f"{arch}.feed_forward_length", 0))
+            moe = dict(num_experts=num("expert_count"), num_experts_per_tok=num("expert_used_count"),
+                       moe_intermediate_size=num("expert_feed_forward_length"),
+                       shared_expert_intermediate_size=shared,
+                       norm_topk_prob=bool(get("expert_weights_norm", True)))
+        dense_width = num("feed_forward_length") if arch == "qwen35" else 0
+        try:
+            return cls(
+                arch=arch, vocab_size=int(vocab_size), hidden_size=hidden,
+                layer_types=tuple(layer_types), ffn_types=tuple(ffn_types),
+                num_heads=heads, num_kv_heads=num("attention.head_count_kv", layers=attn_layers),
+                head_dim=head_dim, rotary_dim=num("rope.dimension_count", head_dim),
+                rope_theta=float(get("rope.freq_base", 10000.0)),
+                rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+                conv_kernel=num("ssm.conv_kernel"), linear_k_heads=num("ssm.group_count"), linear_v_heads=v_heads,
+                linear_k_dim=num("ssm.state_size"), linear_v_dim=inner // v_heads,
+                intermediate_size=dense_width, tie_word_embeddings=tie_word_embeddings,
+                mtp_layers=mtp, max_position_embeddings=num("context_length", 0),
+                **moe,
+            )
+        except DeltaserveError as e:
+            raise ModelLoadError(source, str(e)) from None
