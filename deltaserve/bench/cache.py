@@ -26,7 +26,7 @@ from deltaserve.cache.speculative import make_speculator
 from deltaserve.engine.llm import DEFAULT_MODEL, LLM
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampling import SamplingParams
-from deltaserve.models.make import make_model
+from deltaserve.convert import make_model
 
 PARAGRAPH = ("But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
              "Arise, fair sun, and kill the envious moon, who is already sick and pale with grief, "

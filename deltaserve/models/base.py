@@ -9,7 +9,6 @@ its state (`state_sizes`), how a full-attention layer is called (`attend`) and i
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -144,10 +143,3 @@ def conv_tape(conv_state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) ->
     (HybridState.rollback reads them), so snapshots of the short conv cost one concatenation."""
     return torch.cat([conv_state[slots].to(x.dtype), x], dim=1)
 
-
-def regular_interval(layer_types: Sequence[str]) -> int | None:
-    """n where layer i is full attention exactly when (i + 1) % n == 0, else None."""
-    for n in range(1, len(layer_types) + 2):
-        if all((t == "full_attention") == ((i + 1) % n == 0) for i, t in enumerate(layer_types)):
-            return n
-    return None

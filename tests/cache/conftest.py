@@ -1,7 +1,7 @@
 import pytest
 
 from deltaserve.engine.llm import load
-from deltaserve.models.make import make_model
+from deltaserve.convert import make_model
 
 ARCHES = ["qwen35", "qwen35moe", "qwen3next", "kimi-linear"]
 

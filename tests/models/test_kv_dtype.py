@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from deltaserve.engine.llm import LLM
-from deltaserve.models.make import make_model
+from deltaserve.convert import make_model
 
 
 @pytest.fixture(scope="module")

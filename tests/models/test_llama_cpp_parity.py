@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from deltaserve.engine.llm import LLM
-from deltaserve.models.make import make_model
+from deltaserve.convert import make_model
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/install-llama-cpp.sh)")
 

@@ -8,7 +8,7 @@ from deltaserve.engine.llm import LLM
 from deltaserve.models.common import Rows
 from deltaserve.loader import open_checkpoint
 from deltaserve.models.layers import Linear, dequantize
-from deltaserve.models.make import make_model
+from deltaserve.convert import make_model
 
 
 @pytest.mark.parametrize("file_dtype, stored, text", [

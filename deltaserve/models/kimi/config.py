@@ -241,3 +241,73 @@ class KimiConfig:
             )
         except DeltaserveError as e:
             raise ModelLoadError(source, str(e)) from None
+
+    # ------------------------------------------------------------------ writing (the inverse of the readers)
+    def to_hf(self) -> dict[str, Any]:
+        """config.json as Moonshot released Kimi-Linear-48B-A3B (linear_attn_config, first_k_dense_replace);
+        from_hf reads it back to an equal config."""
+        dense = [i for i, t in enumerate(self.ffn_types) if t == "dense"]
+        if dense != list(range(len(dense))):
+            raise DeltaserveError("kimi_linear config.json can only say that the first k layers are dense")
+        linear = {"kda_layers": [i + 1 for i, t in enumerate(self.layer_types) if t == "linear_attention"],
+                  "full_attn_layers": [i + 1 for i, t in enumerate(self.layer_types) if t == "full_attention"],
+                  "head_dim": self.kda_head_dim, "num_heads": self.kda_heads,
+                  "short_conv_kernel_size": self.conv_kernel}
+        if self.gate_lower_bound is not None:
+            linear["gate_lower_bound"] = self.gate_lower_bound
+        return {
+            "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
+            "intermediate_size": self.intermediate_size, "moe_intermediate_size": self.moe_intermediate_size,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_heads, "hidden_act": "silu",
+            "kv_lora_rank": self.kv_lora_rank, "q_lora_rank": self.q_lora_rank or None,
+            "qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim, "mla_use_nope": True, "num_experts": self.num_experts,
+            "num_experts_per_token": self.num_experts_per_tok, "num_shared_experts": self.num_shared_experts,
+            "moe_renormalize": self.norm_topk_prob, "moe_router_activation_func": "sigmoid",
+            "routed_scaling_factor": self.routed_scaling_factor, "first_k_dense_replace": len(dense),
+            "moe_layer_freq": 1, "use_grouped_topk": True, "num_expert_group": self.n_group,
+            "topk_group": self.topk_group, "linear_attn_config": linear, "rms_norm_eps": self.rms_norm_eps,
+            "model_max_length": self.max_position_embeddings, "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": False, "dtype": "bfloat16",
+        }
+
+    def to_gguf(self, writer) -> None:
+        """llama.cpp's kimi-linear metadata (a gguf.GGUFWriter; from_gguf reads it back). MLA is written as
+        one kv head (MQA over the latent); a head_count_kv of 0 marks a KDA layer."""
+        import gguf
+
+        if self.kda_heads != self.num_heads:
+            raise DeltaserveError(f"kimi-linear GGUF has one head count for KDA ({self.kda_heads}) and MLA "
+                                  f"({self.num_heads}) layers")
+        w = writer
+        w.add_block_count(self.num_layers)
+        w.add_context_length(self.max_position_embeddings)
+        w.add_embedding_length(self.hidden_size)
+        w.add_feed_forward_length(self.intermediate_size)
+        w.add_head_count(self.num_heads)
+        w.add_head_count_kv([0 if t == "linear_attention" else 1 for t in self.layer_types])
+        w.add_layer_norm_rms_eps(self.rms_norm_eps)
+        w.add_expert_count(self.num_experts)
+        w.add_expert_used_count(self.num_experts_per_tok)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_norm(self.norm_topk_prob)
+        w.add_vocab_size(self.vocab_size)
+        w.add_ssm_conv_kernel(self.conv_kernel)
+        w.add_kda_head_dim(self.kda_head_dim)
+        w.add_kv_lora_rank(self.kv_lora_rank)
+        if self.q_lora_rank:
+            w.add_q_lora_rank(self.q_lora_rank)
+        w.add_rope_dimension_count(self.qk_rope_head_dim)
+        w.add_key_length(self.kv_lora_rank + self.qk_rope_head_dim)
+        w.add_key_length_mla(self.qk_nope_head_dim + self.qk_rope_head_dim)
+        w.add_value_length_mla(self.v_head_dim)
+        w.add_expert_feed_forward_length(self.moe_intermediate_size)
+        w.add_expert_shared_count(self.num_shared_experts)
+        w.add_leading_dense_block_count(sum(t == "dense" for t in self.ffn_types))
+        w.add_expert_weights_scale(self.routed_scaling_factor)
+        if self.n_group > 1:
+            w.add_expert_group_count(self.n_group)
+            w.add_expert_group_used_count(self.topk_group)
+        if self.gate_lower_bound is not None:
+            w.add_float32("kimi-linear.kda.gate_lower_bound", self.gate_lower_bound)

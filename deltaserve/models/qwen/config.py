@@ -257,3 +257,91 @@ class QwenConfig:
             )
         except DeltaserveError as e:
             raise ModelLoadError(source, str(e)) from None
+
+    # ------------------------------------------------------------------ writing (the inverse of the readers)
+    def to_hf(self) -> dict[str, Any]:
+        """The transformers config.json of this shape (from_hf reads it back to an equal config)."""
+        model_type, cls = _HF_WRITE[self.arch]
+        interval = _interval(self.layer_types)
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta,
+                "partial_rotary_factor": self.rotary_dim / self.head_dim}
+        if self.arch != "qwen3next":  # interleaved M-RoPE sections over (time, height, width)
+            rope |= {"mrope_section": self.mrope_sections, "mrope_interleaved": True}
+        config = {
+            "architectures": [cls], "model_type": model_type, "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "hidden_act": "silu", "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps, "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": False, "rope_parameters": rope, "layer_types": list(self.layer_types),
+            "linear_conv_kernel_dim": self.conv_kernel, "linear_key_head_dim": self.linear_k_dim,
+            "linear_value_head_dim": self.linear_v_dim, "linear_num_key_heads": self.linear_k_heads,
+            "linear_num_value_heads": self.linear_v_heads, "dtype": "bfloat16",
+        }
+        if interval:
+            config["full_attention_interval"] = interval
+        if self.intermediate_size:
+            config["intermediate_size"] = self.intermediate_size
+        if self.mtp_layers:
+            config["mtp_num_hidden_layers"] = self.mtp_layers
+        if self.arch != "qwen35":
+            config |= {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                       "moe_intermediate_size": self.moe_intermediate_size,
+                       "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+                       "norm_topk_prob": self.norm_topk_prob}
+        if self.arch == "qwen3next":
+            config |= {"decoder_sparse_step": 1,
+                       "mlp_only_layers": [i for i, t in enumerate(self.ffn_types) if t == "dense"]}
+        return config
+
+    def to_gguf(self, writer) -> None:
+        """This shape as llama.cpp's GGUF metadata (a gguf.GGUFWriter; from_gguf reads it back)."""
+        w, interval = writer, _interval(self.layer_types)
+        w.add_block_count(self.num_layers + self.mtp_layers)
+        if self.mtp_layers:
+            w.add_uint32(f"{self.arch}.nextn_predict_layers", self.mtp_layers)
+        w.add_context_length(self.max_position_embeddings)
+        w.add_embedding_length(self.hidden_size)
+        if self.intermediate_size:
+            w.add_feed_forward_length(self.intermediate_size)
+        w.add_head_count(self.num_heads)
+        w.add_head_count_kv(self.num_kv_heads)
+        if self.arch != "qwen3next":
+            w.add_rope_dimension_sections([*self.mrope_sections, 0])
+        w.add_rope_freq_base(self.rope_theta)
+        w.add_layer_norm_rms_eps(self.rms_norm_eps)
+        if self.arch != "qwen35":
+            w.add_expert_count(self.num_experts)
+            w.add_expert_used_count(self.num_experts_per_tok)
+            w.add_expert_feed_forward_length(self.moe_intermediate_size)
+            w.add_expert_shared_feed_forward_length(self.shared_expert_intermediate_size)
+            w.add_expert_weights_norm(self.norm_topk_prob)
+        w.add_key_length(self.head_dim)
+        w.add_value_length(self.head_dim)
+        w.add_ssm_conv_kernel(self.conv_kernel)
+        w.add_ssm_state_size(self.linear_k_dim)
+        w.add_ssm_group_count(self.linear_k_heads)
+        w.add_ssm_time_step_rank(self.linear_v_heads)
+        w.add_ssm_inner_size(self.linear_v_heads * self.linear_v_dim)
+        if interval:
+            w.add_full_attention_interval(interval)
+        else:
+            w.add_array(f"{self.arch}.attention.recurrent_layers", [t == "linear_attention" for t in self.layer_types])
+        w.add_rope_dimension_count(self.rotary_dim)
+
+    @property
+    def mrope_sections(self) -> list[int]:
+        """Rotary pairs split over (time, height, width), like Qwen's [11, 11, 10] for 32 pairs."""
+        base, rest = divmod(self.rotary_dim // 2, 3)
+        return [base + (rest > 0), base + (rest > 1), base]
+
+
+# our architecture -> what a checkpoint of its text model says it is (model_type, transformers class)
+_HF_WRITE = {"qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"), "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
+             "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM")}
+
+
+def _interval(layer_types) -> int | None:
+    """n where layer i is full attention exactly when (i + 1) % n == 0, else None."""
+    return next((n for n in range(1, len(layer_types) + 2)
+                 if all((t == "full_attention") == ((i + 1) % n == 0) for i, t in enumerate(layer_types))), None)

@@ -1,0 +1,13 @@
+"""Writing checkpoints: GGUF files and Hugging Face directories from a model's parameters, each through
+its family's weight table read backwards (models/weights.py), and random-weight models at real shapes
+for tests and benchmarks (`deltaserve make-model`).
+
+- files.py:   write_gguf, write_hf_dir, a streaming safetensors writer, TensorDict (tensors as a checkpoint)
+- presets.py: the preset shapes of each architecture, seeded random weights, make_model
+"""
+
+from .files import TensorDict, write_gguf, write_hf_dir
+from .presets import DTYPES, PRESETS, MadeModel, make_model, preset_config, train_tokenizer
+
+__all__ = ["DTYPES", "PRESETS", "MadeModel", "TensorDict", "make_model", "preset_config", "train_tokenizer",
+           "write_gguf", "write_hf_dir"]
