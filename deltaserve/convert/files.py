@@ -3,6 +3,7 @@ table, read backwards: the same table that loads them (models/weights.py), so no
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -74,15 +75,18 @@ def gguf_storage(name: str, t: torch.Tensor, want: QType) -> tuple[np.ndarray, Q
         return gguf.quants.quantize(data, QType.F16), QType.F16
 
 
-def write_gguf(out_path: str | Path, config, params: Mapping[str, torch.Tensor], tokenizer: Tokenizer,
-               dtype: str = "f16", name: str | None = None) -> Path:
+def write_gguf(out_path: str | Path, config, params: Mapping[str, torch.Tensor], tokenizer: Tokenizer | None,
+               dtype: str = "f16", name: str | None = None, *, option: int = 0,
+               extra: Mapping[str, torch.Tensor] | None = None) -> Path:
     """Write a model as the GGUF llama.cpp's converter makes of the equivalent transformers checkpoint.
     params: internal name -> tensor (a model's state_dict, or any mapping; each is read once, in the
     table's order, so a mapping that makes tensors on demand keeps memory to one at a time). The tokenizer
-    is padded to the config's vocabulary. The file appears complete or not at all."""
+    (None: none) is padded to the config's vocabulary. option=-1 writes the alternative layouts a reader also
+    accepts (models/weights.py); extra: tensors the table does not hold, written as they are (an MTP block).
+    The file appears complete or not at all."""
     if dtype not in DTYPES:
         raise DeltaserveError(f"unknown dtype '{dtype}' (known: {', '.join(DTYPES)})")
-    if config.vocab_size < tokenizer.vocab_size:
+    if tokenizer is not None and config.vocab_size < tokenizer.vocab_size:
         raise DeltaserveError(f"vocab {config.vocab_size} cannot hold the tokenizer's {tokenizer.vocab_size} tokens")
     cls, (want, file_type) = family(config), DTYPES[dtype]
     out_path = Path(out_path)
@@ -93,13 +97,15 @@ def write_gguf(out_path: str | Path, config, params: Mapping[str, torch.Tensor],
     config.to_gguf(writer)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    tokenizer.write_gguf(writer, pad_to=config.vocab_size)
+    if tokenizer is not None:
+        tokenizer.write_gguf(writer, pad_to=config.vocab_size)
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     part = out_path.with_name(out_path.name + ".part")
     try:
-        for tensor_name, t in file_tensors(cls.weight_table(config), params, "gguf"):
-            data, qtype = gguf_storage(tensor_name, t, want)
+        tensors = file_tensors(cls.weight_table(config), params, "gguf", option)
+        for tensor_name, t in itertools.chain(tensors, (extra or {}).items()):
+            data, qtype = gguf_storage(tensor_name, t.float(), want)
             writer.add_tensor(tensor_name, data, raw_dtype=qtype)
         writer.write_header_to_file(path=part)
         writer.write_kv_data_to_file()

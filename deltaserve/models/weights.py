@@ -223,23 +223,24 @@ def read(layout: Layout, ckpt):
     return torch.cat([dense(p) for p in parts], dim=layout.dim)
 
 
-def write(layout: Layout, x: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """The file tensors (name, tensor) that hold parameter x in this layout (its first option)."""
+def write(layout: Layout, x: torch.Tensor, option: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """The file tensors (name, tensor) that hold parameter x in this layout: each Either's first option
+    (option=-1: its last, the older or rarer layout a reader must also accept)."""
     if isinstance(layout, Either):
-        yield from write(layout.options[0], x)
+        yield from write(layout.options[option], x, option)
         return
-    if tuple(x.shape) != shape_of(layout):
+    if isinstance(layout, Leaf) and tuple(x.shape) != shape_of(layout):
         raise ModelLoadError("writer", f"parameter of shape {list(x.shape)} does not fit its layout "
                                        f"{list(shape_of(layout))}", tensor=names(layout)[0])
     if isinstance(layout, Leaf):
         yield layout.name, layout.fn.inverse(x).contiguous()
     elif isinstance(layout, Stack):
         for part, xi in zip(layout.parts, x.unbind(0)):
-            yield from write(part, xi)
+            yield from write(part, xi, option)
     else:
         sizes = [shape_of(p)[layout.dim] for p in layout.parts]
         for part, xi in zip(layout.parts, x.split(sizes, dim=layout.dim)):
-            yield from write(part, xi)
+            yield from write(part, xi, option)
 
 
 def load_params(table: Sequence[Param], ckpt, fmt: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -252,10 +253,11 @@ def load_params(table: Sequence[Param], ckpt, fmt: str) -> Iterator[tuple[str, t
         yield p.name, read(layout, ckpt)
 
 
-def file_tensors(table: Sequence[Param], params, fmt: str) -> Iterator[tuple[str, torch.Tensor]]:
+def file_tensors(table: Sequence[Param], params, fmt: str, option: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """(file name, tensor) for every tensor that format fmt stores, from params (internal name -> tensor,
-    a dict or anything indexable; only the parameters of `table` are read, in its order)."""
+    a dict or anything indexable; only the parameters of `table` are read, in its order). option: which
+    option of each Either (see write)."""
     for p in table:
         layout = getattr(p, fmt)
         if layout is not None:
-            yield from write(layout, params[p.name].detach().float())
+            yield from write(layout, params[p.name].detach().float(), option)

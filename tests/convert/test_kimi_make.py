@@ -10,12 +10,13 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 from safetensors.torch import load_file
 
+from deltaserve.convert import make_model
+from deltaserve.convert.presets import preset_config
 from deltaserve.engine.llm import LLM
 from deltaserve.errors import DeltaserveError
 from deltaserve.loader import open_checkpoint
-from deltaserve.models import KimiModel
-from deltaserve.models.make import ARCHES, KimiShape, main, make_model
-from tests.models.test_make import field, read_gguf
+from deltaserve.models import KimiConfig, KimiModel
+from tests.convert.test_make import field, read_gguf, run_cli
 
 PROMPT = "Once upon a time, in a quiet village by the sea, there lived an old fisherman who"
 
@@ -33,17 +34,23 @@ def made(tmp_path_factory):
     return get
 
 
-def llama_cpp_tensors(s: KimiShape) -> dict[str, tuple[int, ...]]:
+def dense_layers(c: KimiConfig) -> int:
+    """How many leading layers have a dense MLP (llama.cpp's leading_dense_block_count)."""
+    return next((i for i, t in enumerate(c.ffn_types) if t != "dense"), c.num_layers)
+
+
+def llama_cpp_tensors(c: KimiConfig) -> dict[str, tuple[int, ...]]:
     """ne of every tensor llama.cpp's kimi-linear load_arch_tensors creates (3-D/4-D convs and ssm_a as
     written by the converter: {W, 1, C, 1} and {1, H, 1, 1}; read_gguf drops trailing 1s)."""
-    E, H, D, V, C = s.hidden, s.heads, s.kda_head_dim, s.vocab, s.kda_dim
-    R, dn, dr, dv = s.kv_lora_rank, s.qk_nope_head_dim, s.qk_rope_head_dim, s.v_head_dim
+    assert c.kda_heads == c.num_heads  # llama.cpp has one attention.head_count for both
+    E, H, D, V, C = c.hidden_size, c.num_heads, c.kda_head_dim, c.vocab_size, c.kda_dim
+    R, dn, dr, dv = c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
     want = {"token_embd.weight": (E, V), "output_norm.weight": (E,), "output.weight": (E, V)}
-    for i in range(s.layers):
+    for i in range(c.num_layers):
         b = f"blk.{i}."
         want |= {b + "attn_norm.weight": (E,), b + "ffn_norm.weight": (E,)}
         if (i + 1) % 4:  # KDA
-            want |= {b + f"ssm_conv1d_{x}.weight": (s.conv_kernel, 1, C) for x in "qkv"}
+            want |= {b + f"ssm_conv1d_{x}.weight": (c.conv_kernel, 1, C) for x in "qkv"}
             want |= {b + f"attn_{x}.weight": (E, C) for x in "qkv"}
             want |= {b + "ssm_f_a.weight": (E, D), b + "ssm_f_b.weight": (D, C), b + "ssm_beta.weight": (E, H),
                      b + "ssm_a": (1, H), b + "ssm_dt.bias": (C,), b + "ssm_g_a.weight": (E, D),
@@ -52,11 +59,11 @@ def llama_cpp_tensors(s: KimiShape) -> dict[str, tuple[int, ...]]:
             want |= {b + "attn_q.weight": (E, H * (dn + dr)), b + "attn_kv_a_mqa.weight": (E, R + dr),
                      b + "attn_kv_a_norm.weight": (R,), b + "attn_k_b.weight": (dn, R, H),
                      b + "attn_v_b.weight": (R, dv, H), b + "attn_output.weight": (H * dv, E)}
-        if i < s.dense_layers:
-            F = s.intermediate
+        if i < dense_layers(c):
+            F = c.intermediate_size
             want |= {b + "ffn_gate.weight": (E, F), b + "ffn_up.weight": (E, F), b + "ffn_down.weight": (F, E)}
         else:
-            X, F, S = s.experts, s.expert_ffn, s.expert_ffn * s.shared_experts
+            X, F, S = c.num_experts, c.moe_intermediate_size, c.moe_intermediate_size * c.num_shared_experts
             want |= {b + "ffn_gate_inp.weight": (E, X), b + "ffn_gate_exps.weight": (E, F, X),
                      b + "ffn_up_exps.weight": (E, F, X), b + "ffn_down_exps.weight": (F, E, X),
                      b + "exp_probs_b.bias": (X,), b + "ffn_gate_shexp.weight": (E, S),
@@ -67,7 +74,7 @@ def llama_cpp_tensors(s: KimiShape) -> dict[str, tuple[int, ...]]:
 def test_tensors_are_the_ones_llama_cpp_loads(made):
     m = made()
     got = {name: ne for name, (ne, _, _) in read_gguf(m.gguf_path).items()}
-    assert got == llama_cpp_tensors(m.shape)
+    assert got == llama_cpp_tensors(m.config)
 
 
 def test_metadata(made):
@@ -80,7 +87,7 @@ def test_metadata(made):
         "attention.kv_lora_rank": 64, "rope.dimension_count": 32, "attention.key_length": 64 + 32,
         "attention.key_length_mla": 32 + 32, "attention.value_length_mla": 64, "expert_count": 8,
         "expert_used_count": 2, "expert_feed_forward_length": 64, "expert_shared_count": 1,
-        "leading_dense_block_count": 1, "expert_gating_func": 2, "vocab_size": m.shape.vocab,
+        "leading_dense_block_count": 1, "expert_gating_func": 2, "vocab_size": m.config.vocab_size,
     }
     for key, value in want.items():
         assert field(reader, f"kimi-linear.{key}") == value, key
@@ -91,19 +98,19 @@ def test_metadata(made):
 
 def test_gguf_is_the_converted_hf_checkpoint(made):
     m = made()
-    s = m.shape
+    c = m.config
     hf = {k: v.float().numpy() for k, v in load_file(m.hf_dir / "model.safetensors").items()}
     gg = {name: data for name, (_, _, data) in read_gguf(m.gguf_path).items()}
-    H, dn, dv = s.heads, s.qk_nope_head_dim, s.v_head_dim
+    H, dn, dv = c.num_heads, c.qk_nope_head_dim, c.v_head_dim
     np.testing.assert_array_equal(gg["output.weight"], hf["lm_head.weight"])
     np.testing.assert_array_equal(gg["output_norm.weight"], hf["model.norm.weight"])  # Kimi norms: no +1
-    for i in range(s.layers):
+    for i in range(c.num_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         a = p + "self_attn."
         np.testing.assert_array_equal(gg[b + "ffn_norm.weight"], hf[p + "post_attention_layernorm.weight"])
         if (i + 1) % 4:
             for x in "qkv":
-                np.testing.assert_array_equal(gg[b + f"ssm_conv1d_{x}.weight"].reshape(s.kda_dim, -1),
+                np.testing.assert_array_equal(gg[b + f"ssm_conv1d_{x}.weight"].reshape(c.kda_dim, -1),
                                               hf[a + f"{x}_conv1d.weight"][:, 0, :])
                 np.testing.assert_array_equal(gg[b + f"attn_{x}.weight"], hf[a + f"{x}_proj.weight"])
             np.testing.assert_allclose(gg[b + "ssm_a"].ravel(), -np.exp(hf[a + "A_log"].ravel()), rtol=1e-6)
@@ -117,10 +124,10 @@ def test_gguf_is_the_converted_hf_checkpoint(made):
                 np.testing.assert_array_equal(gg[b + "attn_k_b.weight"][h], rows[:dn].T)  # numpy [H, R, dn]
                 np.testing.assert_array_equal(gg[b + "attn_v_b.weight"][h], rows[dn:])  # numpy [H, dv, R]
             np.testing.assert_array_equal(gg[b + "attn_kv_a_mqa.weight"], hf[a + "kv_a_proj_with_mqa.weight"])
-        if i >= s.dense_layers:
+        if i >= dense_layers(c):
             moe = p + "block_sparse_moe."
             np.testing.assert_array_equal(gg[b + "exp_probs_b.bias"], hf[moe + "gate.e_score_correction_bias"])
-            for x in range(s.experts):
+            for x in range(c.num_experts):
                 for w, name in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
                     np.testing.assert_array_equal(gg[b + f"ffn_{name}_exps.weight"][x],
                                                   hf[moe + f"experts.{x}.{w}.weight"])
@@ -192,27 +199,30 @@ def test_llama_cpp_logits_and_greedy_tokens(made):
 # -- presets and arguments ------------------------------------------------------------------------
 
 def test_small_preset_shapes():
-    s = ARCHES["kimi-linear"].presets["small"]
-    assert (s.kda_head_dim, s.kv_lora_rank, s.qk_nope_head_dim, s.qk_rope_head_dim, s.v_head_dim) == \
+    c = preset_config("kimi-linear", "small", 1024)
+    assert (c.kda_head_dim, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == \
         (128, 512, 128, 64, 128)  # Kimi-Linear-48B-A3B's head sizes
-    assert [s.is_recurrent(i) for i in range(s.layers)] == [True, True, True, False] * 2
+    assert [c.layer_types[i] == "linear_attention" for i in range(c.num_layers)] == [True, True, True, False] * 2
 
 
 @pytest.mark.parametrize("kwargs, problem", [
-    (dict(experts_used=9), "experts_used=9"),
-    (dict(dense_layers=4), "dense_layers=4"),
-    (dict(kv_lora_rank=0), "kv_lora_rank=0"),
-], ids=["experts-used", "dense-layers", "latent"])
+    (dict(num_experts_per_tok=9), r"num_experts_per_tok \(9\) must be in \[1, num_experts=8\]"),
+    (dict(kv_lora_rank=0), "kv_lora_rank must be a positive integer, got 0"),
+], ids=["experts-used", "latent"])
 def test_bad_shape_is_refused(kwargs, problem):
-    base = dict(hidden=96, layers=4, heads=3, kda_head_dim=32, kv_lora_rank=64, qk_nope_head_dim=32,
-                qk_rope_head_dim=32, v_head_dim=64, intermediate=160, experts=8, experts_used=2, expert_ffn=64)
+    base = dict(vocab_size=1000, hidden_size=96, layer_types=("linear_attention",) * 3 + ("full_attention",),
+                ffn_types=("dense",) + ("moe",) * 3, rms_norm_eps=1e-5, conv_kernel=4, kda_heads=3, kda_head_dim=32,
+                num_heads=3, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64,
+                intermediate_size=160, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                num_shared_experts=1)
+    KimiConfig(**base)  # the base is fine
     with pytest.raises(DeltaserveError, match=problem):
-        KimiShape(**(base | kwargs))
+        KimiConfig(**(base | kwargs))
 
 
 def test_command_line_and_presets(tmp_path, capsys):
     out = tmp_path / "k.gguf"
-    assert main(["--arch", "kimi-linear", "--preset", "tiny", "--dtype", "q8_0", str(out)]) == 0
+    assert run_cli(["make-model", "--arch", "kimi-linear", "--preset", "tiny", "--dtype", "q8_0", str(out)]) == 0
     assert field(GGUFReader(out), "general.architecture") == "kimi-linear"
     assert "wrote" in capsys.readouterr().err
     with pytest.raises(DeltaserveError, match="unknown preset 'small' for qwen35"):

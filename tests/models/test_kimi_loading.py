@@ -1,19 +1,18 @@
-"""Kimi Linear loading: a GGUF written the way llama.cpp's converter writes it (conversion/kimi_linear.py:
-names from gguf-py's tensor map, ssm_a = -exp(A_log), dt_bias as ssm_dt.bias, convs as [1, C, 1, W],
-kv_b_proj split into attn_k_b (transposed) and attn_v_b, experts stacked) loads to the same model as the
-transformers directory; config parsing; clear errors for missing or mis-shaped tensors."""
+"""Kimi Linear loading: a GGUF written through the family's weight table (in each layout llama.cpp reads;
+that they are what its converter writes is checked in tests/convert) loads to the same model as the
+transformers directory and gives transformers' logits; config parsing; clear errors for missing or
+mis-shaped tensors."""
 
 from __future__ import annotations
 
 import json
 import shutil
 
-import gguf
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from deltaserve import convert
 from deltaserve.errors import ModelLoadError
 from deltaserve.loader import open_checkpoint
 from deltaserve.models import KimiModel
@@ -21,85 +20,12 @@ from deltaserve.models.kimi import KimiConfig
 from tests.models.test_kimi_transformers import LIN, FULL, reference_logits, rel_err, tiny_kimi  # noqa: F401
 
 
-def write_gguf(tiny, path, *, legacy_kv_b: bool = False, fused_experts: bool = False) -> None:
-    """legacy_kv_b: keep kv_b_proj whole (attn_kv_b), as GGUFs from before the MLA cache split;
-    fused_experts: one ffn_gate_up_exps (llama.cpp's --fuse-gate-up-exps)."""
-    cfg = tiny.model.config
-    sd = load_file(f"{tiny.path}/model.safetensors")  # Moonshot's names, as the converter reads them
-    n_layers, E = cfg.num_hidden_layers, cfg.hidden_size
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.KIMI_LINEAR, n_layers)
-    nh, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-    out, experts = {}, {}
-    for name, t in sd.items():
-        t = t.float()
-        if ".experts." in name:  # model.layers.{i}.block_sparse_moe.experts.{j}.w{1,2,3}.weight
-            layer, _, _, j, w, _ = name.split(".")[2:]
-            experts.setdefault((int(layer), w), {})[int(j)] = t
-            continue
-        if name.endswith("_conv1d.weight"):
-            t = t.reshape(1, t.shape[0], 1, t.shape[-1])
-        if name.endswith(".A_log"):
-            t = -torch.exp(t)
-        if name.endswith(".dt_bias"):
-            name = name.removesuffix("dt_bias") + "dt_proj.bias"
-        if name.endswith("e_score_correction_bias"):
-            name = name.removesuffix("_bias") + ".bias"
-        if name.endswith("kv_b_proj.weight") and not legacy_kv_b:
-            k_b, v_b = t.view(nh, dn + dv, -1).split([dn, dv], dim=1)
-            out[names.get_name(name.replace("kv_b", "k_b"), try_suffixes=(".weight",))] = k_b.transpose(1, 2)
-            out[names.get_name(name.replace("kv_b", "v_b"), try_suffixes=(".weight",))] = v_b
-            continue
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is None and ".block_sparse_moe." in name:  # transformers saves dense MLPs under this name too
-            gguf_name = names.get_name(name.replace(".block_sparse_moe.", ".mlp."), try_suffixes=(".weight",))
-        assert gguf_name is not None, name
-        out[gguf_name] = t
-    for (layer, w), by_id in experts.items():
-        out[f"blk.{layer}.ffn_{dict(w1='gate', w2='down', w3='up')[w]}_exps.weight"] = \
-            torch.stack([by_id[j] for j in range(len(by_id))])
-    if fused_experts:
-        for layer in range(n_layers):
-            if f"blk.{layer}.ffn_gate_exps.weight" in out:
-                out[f"blk.{layer}.ffn_gate_up_exps.weight"] = torch.cat(
-                    [out.pop(f"blk.{layer}.ffn_gate_exps.weight"), out.pop(f"blk.{layer}.ffn_up_exps.weight")], dim=1)
-
-    arch = "kimi-linear"
-    kda = [t == LIN for t in cfg.layer_types]
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(n_layers)
-    w.add_context_length(4096)
-    w.add_embedding_length(E)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    # llama.cpp sizes KDA and MLA layers by one head count; ours differ, so give it per layer
-    w.add_head_count([cfg.linear_num_heads if r else nh for r in kda])
-    w.add_head_count_kv([0 if r else 1 for r in kda])  # the converter makes MLA one kv head (MQA)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
-    w.add_kda_head_dim(cfg.linear_head_dim)
-    if cfg.q_lora_rank:
-        w.add_q_lora_rank(cfg.q_lora_rank)
-    w.add_kv_lora_rank(cfg.kv_lora_rank)
-    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
-    w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    w.add_key_length_mla(dn + cfg.qk_rope_head_dim)
-    w.add_value_length_mla(dv)
-    w.add_expert_count(cfg.num_local_experts)
-    w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    w.add_expert_shared_count(cfg.n_shared_experts)
-    w.add_leading_dense_block_count(cfg.mlp_layer_types.count("dense"))
-    w.add_expert_weights_scale(cfg.routed_scaling_factor)
-    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    if cfg.n_group > 1:
-        w.add_uint32(f"{arch}.expert_group_count", cfg.n_group)
-        w.add_uint32(f"{arch}.expert_group_used_count", cfg.topk_group)
-    for name, t in out.items():
-        w.add_tensor(name, np.ascontiguousarray(t.numpy()))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+def write_gguf(tiny, path, *, alt: bool = False) -> None:
+    """The transformers checkpoint as a GGUF written through the family's weight table; alt: the older
+    layouts llama.cpp also reads (kv_b_proj whole as attn_kv_b, as GGUFs from before the MLA cache split;
+    one ffn_gate_up_exps, llama.cpp's --fuse-gate-up-exps)."""
+    model = KimiModel.from_checkpoint(open_checkpoint(tiny.path))
+    convert.write_gguf(path, model.config, model.state_dict(), None, "f32", option=-1 if alt else 0)
 
 
 IDS = torch.randint(0, 307, (2, 13), generator=torch.Generator().manual_seed(9))
@@ -112,7 +38,7 @@ def run(model, ids=IDS):
 @pytest.mark.parametrize("layout", ["split-kv-b", "legacy-kv-b-fused-experts"])
 def test_gguf_equals_hf_loading(tiny_kimi, tmp_path, layout):
     path = tmp_path / "model.gguf"
-    write_gguf(tiny_kimi, path, legacy_kv_b=layout != "split-kv-b", fused_experts=layout != "split-kv-b")
+    write_gguf(tiny_kimi, path, alt=layout != "split-kv-b")
     from_gguf = KimiModel.from_checkpoint(open_checkpoint(path))
     from_hf = KimiModel.from_checkpoint(open_checkpoint(tiny_kimi.path))
     a, b = from_gguf.config, from_hf.config

@@ -274,18 +274,18 @@ class KimiConfig:
 
     def to_gguf(self, writer) -> None:
         """llama.cpp's kimi-linear metadata (a gguf.GGUFWriter; from_gguf reads it back). MLA is written as
-        one kv head (MQA over the latent); a head_count_kv of 0 marks a KDA layer."""
+        one kv head (MQA over the latent); a head_count_kv of 0 marks a KDA layer. Head counts go per layer
+        where KDA and MLA layers differ in theirs."""
         import gguf
 
-        if self.kda_heads != self.num_heads:
-            raise DeltaserveError(f"kimi-linear GGUF has one head count for KDA ({self.kda_heads}) and MLA "
-                                  f"({self.num_heads}) layers")
         w = writer
         w.add_block_count(self.num_layers)
         w.add_context_length(self.max_position_embeddings)
         w.add_embedding_length(self.hidden_size)
         w.add_feed_forward_length(self.intermediate_size)
-        w.add_head_count(self.num_heads)
+        kda = [t == "linear_attention" for t in self.layer_types]
+        w.add_head_count(self.num_heads if self.kda_heads == self.num_heads
+                         else [self.kda_heads if r else self.num_heads for r in kda])
         w.add_head_count_kv([0 if t == "linear_attention" else 1 for t in self.layer_types])
         w.add_layer_norm_rms_eps(self.rms_norm_eps)
         w.add_expert_count(self.num_experts)
