@@ -2,8 +2,9 @@ import pytest
 
 from deltaserve.engine.llm import load
 from deltaserve.convert import make_model
+from deltaserve.models import FAMILIES
 
-ARCHES = ["qwen35", "qwen35moe", "qwen3next", "kimi-linear"]
+ARCHES = [arch for family in FAMILIES for arch in family.gguf_archs]  # every registered family
 
 
 @pytest.fixture(scope="session")

@@ -182,9 +182,13 @@ def test_llama_cpp_logits_and_greedy_tokens(made):
     for llm in (ref, ref32):
         llm.eval(ids)
     # ours computes the f16 weights in float32, as llama.cpp does on the f32 file; llama.cpp's f16 path
-    # also rounds activations to f16, which moves its own logits by a few 1e-3 here
-    assert rel_diff(mine, np.asarray(ref32.scores[len(ids) - 1], dtype=np.float64)) < 1e-3
-    assert rel_diff(mine, np.asarray(ref.scores[len(ids) - 1], dtype=np.float64)) < 1e-2
+    # also rounds activations to f16, which moves its own logits by 3e-3..3e-2 of their spread depending
+    # on the seed's weights: ours may differ from it by that much and the f32 difference, no more
+    theirs32 = np.asarray(ref32.scores[len(ids) - 1], dtype=np.float64)
+    theirs16 = np.asarray(ref.scores[len(ids) - 1], dtype=np.float64)
+    assert rel_diff(mine, theirs32) < 1e-3
+    assert rel_diff(theirs32, theirs16) < 5e-2
+    assert rel_diff(mine, theirs16) < rel_diff(theirs32, theirs16) + 1e-3
 
     theirs = []
     for _ in range(32):  # llama.cpp's greedy continuation, one token per step on its own cache

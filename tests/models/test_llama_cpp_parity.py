@@ -66,7 +66,10 @@ def test_last_token_logits_match(pair):
 
 
 def test_greedy_continuations_are_identical(pair):
-    ours, ref, _ = pair
+    """Identical to llama.cpp's f32 run on the same weight values. (Its f16 run rounds activations to f16 and
+    may leave its own f32 run where a routing choice is close: on the qwen35moe file with seed 5 they part at
+    token 27, so the f16 file is held to its last-token logits above, not to its greedy text.)"""
+    ours, _, ref32 = pair
     ids = ours.tokenizer.encode(PROMPT)
     mine = ours.generate(ids, max_tokens=32, temperature=0, ignore_eos=True).token_ids
-    assert mine == llama_greedy(ref, ids, 32)
+    assert mine == llama_greedy(ref32, ids, 32)
