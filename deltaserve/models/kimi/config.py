@@ -7,9 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltaserve.errors import DeltaserveError, ModelLoadError
+from deltaserve.models.checks import check_hybrid
 
-LAYER_TYPES = ("linear_attention", "full_attention")
-FFN_TYPES = ("dense", "moe")
 
 KIMI_ARCH = "kimi-linear"
 
@@ -55,35 +54,15 @@ class KimiConfig:
         def bad(problem: str):
             raise DeltaserveError(f"invalid Kimi Linear config: {problem}")
 
-        for name in ("vocab_size", "hidden_size", "conv_kernel", "kda_heads", "kda_head_dim", "num_heads",
-                     "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                bad(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if not self.layer_types:
-            bad("the model has no layers")
-        if unknown := set(self.layer_types) - set(LAYER_TYPES):
-            bad(f"unknown layer types {sorted(unknown)}; expected {LAYER_TYPES}")
-        if len(self.ffn_types) != len(self.layer_types):
-            bad(f"{len(self.ffn_types)} ffn types for {len(self.layer_types)} layers")
-        if unknown := set(self.ffn_types) - set(FFN_TYPES):
-            bad(f"unknown ffn types {sorted(unknown)}; expected {FFN_TYPES}")
-        if self.conv_kernel < 2:
-            bad(f"conv_kernel ({self.conv_kernel}) must be at least 2")
+        check_hybrid(self, "Kimi Linear", ("vocab_size", "hidden_size", "conv_kernel", "kda_heads", "kda_head_dim",
+                                           "num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"))
         if self.qk_rope_head_dim < 0 or self.q_lora_rank < 0:
             bad("qk_rope_head_dim and q_lora_rank cannot be negative")
         if self.rms_norm_eps <= 0 or self.mla_norm_eps <= 0:
             bad(f"norm epsilons must be positive, got {self.rms_norm_eps} and {self.mla_norm_eps}")
         if self.gate_lower_bound is not None and self.gate_lower_bound >= 0:
             bad(f"gate_lower_bound ({self.gate_lower_bound}) must be negative (it bounds a log-decay)")
-        if "dense" in self.ffn_types and self.intermediate_size <= 0:
-            bad(f"dense layers need intermediate_size > 0, got {self.intermediate_size}")
         if "moe" in self.ffn_types:
-            if self.num_experts <= 0 or self.moe_intermediate_size <= 0:
-                bad(f"MoE layers need num_experts ({self.num_experts}) and moe_intermediate_size "
-                    f"({self.moe_intermediate_size}) > 0")
-            if not 0 < self.num_experts_per_tok <= self.num_experts:
-                bad(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts="
-                    f"{self.num_experts}]")
             if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
                 bad(f"{self.num_experts} experts cannot form {self.n_group} groups with {self.topk_group} kept")
         if self.num_shared_experts < 0:

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltaserve.errors import DeltaserveError, ModelLoadError
+from deltaserve.models.checks import check_hybrid
 
 ARCHS = ("qwen35", "qwen35moe", "qwen3next")
-LAYER_TYPES = ("linear_attention", "full_attention")
-FFN_TYPES = ("dense", "moe")
 
 # transformers model_type -> GGUF architecture name (our canonical name)
 _HF_ARCH = {
@@ -65,18 +64,8 @@ class QwenConfig:
 
         if self.arch not in ARCHS:
             bad(f"arch {self.arch!r} is not one of {ARCHS}")
-        for name in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "conv_kernel",
-                     "linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                bad(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if not self.layer_types:
-            bad("the model has no layers")
-        if unknown := set(self.layer_types) - set(LAYER_TYPES):
-            bad(f"unknown layer types {sorted(unknown)}; expected {LAYER_TYPES}")
-        if len(self.ffn_types) != len(self.layer_types):
-            bad(f"{len(self.ffn_types)} ffn types for {len(self.layer_types)} layers")
-        if unknown := set(self.ffn_types) - set(FFN_TYPES):
-            bad(f"unknown ffn types {sorted(unknown)}; expected {FFN_TYPES}")
+        check_hybrid(self, "Qwen", ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                                    "conv_kernel", "linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim"))
         if self.num_heads % self.num_kv_heads:
             bad(f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.linear_v_heads % self.linear_k_heads:
@@ -84,19 +73,8 @@ class QwenConfig:
                 f"linear key heads ({self.linear_k_heads})")
         if not (0 < self.rotary_dim <= self.head_dim) or self.rotary_dim % 2:
             bad(f"rotary_dim ({self.rotary_dim}) must be even and in (0, head_dim={self.head_dim}]")
-        if self.conv_kernel < 2:
-            bad(f"conv_kernel ({self.conv_kernel}) must be at least 2")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             bad(f"rms_norm_eps ({self.rms_norm_eps}) and rope_theta ({self.rope_theta}) must be positive")
-        if "dense" in self.ffn_types and self.intermediate_size <= 0:
-            bad(f"dense layers need intermediate_size > 0, got {self.intermediate_size}")
-        if "moe" in self.ffn_types:
-            if self.num_experts <= 0 or self.moe_intermediate_size <= 0:
-                bad(f"MoE layers need num_experts ({self.num_experts}) and moe_intermediate_size "
-                    f"({self.moe_intermediate_size}) > 0")
-            if not 0 < self.num_experts_per_tok <= self.num_experts:
-                bad(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts="
-                    f"{self.num_experts}]")
         if self.shared_expert_intermediate_size < 0 or self.mtp_layers < 0:
             bad("shared_expert_intermediate_size and mtp_layers cannot be negative")
 
