@@ -12,6 +12,8 @@ import hashlib
 import importlib.util
 import os
 import platform
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -39,7 +41,11 @@ def extension():
     from torch.utils import cpp_extension
 
     build.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
+    # A fresh machine compiles for ~30 s here, often mid-generation: say so, or it looks like a hang.
+    print(f"deltaserve: compiling the CPU kernels for this processor (once; about 30 s, cached in {build})",
+          file=sys.stderr, flush=True)
+    start = time.monotonic()
+    module = cpp_extension.load(
         name=name,
         sources=[str(_CSRC / "module.cpp")],
         extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
@@ -47,6 +53,8 @@ def extension():
         build_directory=str(build),
         verbose=False,
     )
+    print(f"deltaserve: CPU kernels ready ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
+    return module
 
 
 def _cpu_flags() -> str:
