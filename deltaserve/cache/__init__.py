@@ -3,5 +3,7 @@
 - state.py:       HybridState, the per-slot tensors (KV cache, conv and delta-rule states), copy in/out, rollback
 - prefix.py:      PrefixStore, recurrent-state checkpoints of token prefixes in a byte budget
 - manager.py:     CacheManager, which tokens each slot holds; live reuse, checkpoint save and restore
-- speculative.py: drafters (prompt lookup, a draft model) and the acceptance rule
+
+Speculative decoding (drafters, the acceptance rule) is scheduling and lives in deltaserve.engine.speculative;
+it uses the rollback pieces here.
 """

@@ -7,12 +7,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from deltaserve.cache.speculative import make_speculator
-
 from .request import Event, Request
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .speculative import make_speculator
 
 
 @dataclass

@@ -15,7 +15,6 @@ from typing import Literal
 
 import torch
 
-from deltaserve.cache.speculative import Speculator, make_speculator
 from deltaserve.errors import DeltaserveError
 from deltaserve.loader import open_checkpoint
 from deltaserve.loader.gguf_file import progress_bar
@@ -26,6 +25,7 @@ from .request import Delta, Done, Event, Request
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .speculative import Speculator, make_speculator
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "data" / "default.gguf"
 

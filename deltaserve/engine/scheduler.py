@@ -11,11 +11,10 @@ from collections import deque
 
 import torch
 
-from deltaserve.cache.speculative import Speculator, accept
-
 from .request import Request
 from .runner import ModelRunner
 from .sampling import sample
+from .speculative import Speculator, accept
 
 
 class Scheduler:

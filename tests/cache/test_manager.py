@@ -6,7 +6,7 @@ import torch
 
 from deltaserve.engine.runner import ModelRunner
 
-from .conftest import ARCHES
+from tests.conftest import ARCHES
 
 EVERY = 16  # checkpoint interval: small, so short prompts cross several
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from deltaserve.engine.sampling import SamplingParams, filter_logits
+from deltaserve.cache.manager import CacheManager
 from deltaserve.errors import DeltaserveError
 
-from .manager import CacheManager
+from .sampling import SamplingParams, filter_logits
 
 
 class NgramDrafter:
