@@ -69,8 +69,6 @@ def cmd_run(args):
 
 
 def cmd_chat(args):
-    from deltaserve.server.app import _plain_chat
-
     llm = _load(args)
     tok = llm.tokenizer
     messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -84,10 +82,8 @@ def cmd_chat(args):
             break
         line = line.strip()
         messages.append({"role": "user", "content": line})
-        prompt = tok.apply_chat_template(messages, add_generation_prompt=True) if tok.chat_template \
-            else _plain_chat(messages)
         reply = []
-        for piece in llm.generate(prompt, stream=True, **_sampling(args)):
+        for piece in llm.generate(tok.chat_prompt(messages), stream=True, **_sampling(args)):
             reply.append(piece)
             sys.stdout.write(piece)
             sys.stdout.flush()
