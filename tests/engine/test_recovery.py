@@ -64,6 +64,10 @@ def decoding(tokens, *args, **kwargs) -> bool:
     return tokens.shape[1] == 1
 
 
+def prefilling(tokens, *args, **kwargs) -> bool:
+    return tokens.shape[1] > 1
+
+
 @pytest.fixture(scope="module")
 def reference():
     """prompt (text or a tuple of ids) -> the greedy tokens of a fault-free LLM, whose model is its own."""
@@ -152,7 +156,7 @@ def test_one_slot_two_requests_a_forward_error(call, engine, loaded, reference, 
     succeeds, and so does a third."""
     eng = engine(n_slots=1)
     model = loaded[0]
-    fault = Fault(model.forward, when=decoding if call == "decode" else lambda t, *a, **k: t.shape[1] > 1, after=True)
+    fault = Fault(model.forward, when=decoding if call == "decode" else prefilling, after=True)
     monkeypatch.setattr(model, "forward", fault)
     first, second = Pending(eng, VERSE), Pending(eng, PROMPTS[1])
     assert_failed_clearly(first.done())
@@ -164,6 +168,8 @@ def test_one_slot_two_requests_a_forward_error(call, engine, loaded, reference, 
 
 
 def test_forward_error_in_a_decode_step(engine, loaded, reference, monkeypatch, caplog):
+    """Two requests decode side by side; the third decode pass fails. Whichever it served end with the
+    error, keeping the tokens they had made."""
     eng = engine(n_slots=2)
     model = loaded[0]
     monkeypatch.setattr(model, "forward", Fault(model.forward, nth=3, when=decoding, after=True))
@@ -178,7 +184,7 @@ def test_forward_error_in_a_decode_step(engine, loaded, reference, monkeypatch, 
         assert done in failed or done.token_ids == reference(prompt)
     assert len(failures(caplog)) == 1
     assert_serves_correctly(eng, reference, VERSE)
-    assert eng.metrics.requests_finished == 3 + len(PROMPTS)
+    assert settles(eng) and eng.metrics.requests_finished == 3 + len(PROMPTS)  # counted after their Done
 
 
 def test_sampling_error(engine, reference, monkeypatch):
@@ -207,6 +213,8 @@ def test_error_in_a_prefill_chunk(engine, loaded, reference, monkeypatch):
 
 
 def test_drafter_error(engine, reference, monkeypatch):
+    """Prompt lookup fails at the first decode step; the speculative requests after it get the plain
+    greedy tokens."""
     eng = engine(speculative="ngram")
     drafter = eng.speculator.drafter
     fault = Fault(drafter.propose)
@@ -228,6 +236,7 @@ def test_draft_model_error_mid_draft(engine, reference, monkeypatch):
 
 
 def test_verify_error_fails_the_speculative_batch(engine, loaded, reference, monkeypatch):
+    """The pass that checks drafts (it keeps per-token snapshots) fails after writing the state."""
     eng = engine(speculative="ngram")
     model = loaded[0]
     fault = Fault(model.forward, when=lambda *a, snapshots=None, **k: snapshots is not None, after=True)
