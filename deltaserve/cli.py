@@ -1,4 +1,8 @@
-"""The `deltaserve` command: run, chat, serve, bench, make-model."""
+"""The `deltaserve` command: run, chat, serve, bench, make-model.
+
+Building the parser imports nothing but the standard library: every subcommand's arguments are defined
+here and its implementation (torch, the server) is imported only when it runs, so --help answers at once.
+"""
 
 from __future__ import annotations
 
@@ -36,6 +40,20 @@ def _add_sampling_args(p: argparse.ArgumentParser):
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def _add_make_model_args(p: argparse.ArgumentParser):
+    # deltaserve.convert's names, written out: importing them would import torch (a test keeps them equal)
+    p.add_argument("--arch", required=True, choices=("kimi-linear", "qwen35", "qwen35moe", "qwen3next"),
+                   help="GGUF architecture")
+    p.add_argument("--preset", choices=("tiny", "small", "0.8b"), default="tiny",
+                   help="tiny: test sizes; 0.8b: Qwen3.5-0.8B's shapes (Qwen); small: ~90M parameters "
+                        "(kimi-linear) (default: tiny)")
+    p.add_argument("--dtype", choices=("f16", "f32", "q8_0"), default="f16", help="GGUF file type (default: f16)")
+    p.add_argument("out", type=Path, help="GGUF file to write")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.add_argument("--hf-dir", type=Path, default=None,
+                   help="also write the same weights as a Hugging Face directory here")
+
+
 def _load(args):
     import torch
 
@@ -69,8 +87,6 @@ def cmd_run(args):
 
 
 def cmd_chat(args):
-    from deltaserve.server.app import _plain_chat
-
     llm = _load(args)
     tok = llm.tokenizer
     messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -84,10 +100,8 @@ def cmd_chat(args):
             break
         line = line.strip()
         messages.append({"role": "user", "content": line})
-        prompt = tok.apply_chat_template(messages, add_generation_prompt=True) if tok.chat_template \
-            else _plain_chat(messages)
         reply = []
-        for piece in llm.generate(prompt, stream=True, **_sampling(args)):
+        for piece in llm.generate(tok.chat_prompt(messages), stream=True, **_sampling(args)):
             reply.append(piece)
             sys.stdout.write(piece)
             sys.stdout.flush()
@@ -129,6 +143,19 @@ def cmd_bench(args):
     compare.main([args.model, *rest])
 
 
+def cmd_make_model(args):
+    from deltaserve.convert import make_model
+
+    def progress(line: str) -> None:
+        print(f"\r{line}", end="", file=sys.stderr, flush=True)
+
+    made = make_model(args.arch, args.preset, args.dtype, args.out, seed=args.seed, hf_dir=args.hf_dir,
+                      progress=progress)
+    size = made.gguf_path.stat().st_size
+    print(f"\nwrote {made.gguf_path} ({size / 2**20:.1f} MiB, vocab {made.config.vocab_size})"
+          + (f" and {made.hf_dir}" if made.hf_dir else ""), file=sys.stderr)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltaserve", description="Run and serve hybrid linear-attention models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -167,13 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
     bench.set_defaults(fn=cmd_bench)
 
-    from deltaserve.models import make
-
     maker = sub.add_parser("make-model", help="write a random-weight model for tests and benchmarks",
                            description="Write a random-weight model as llama.cpp's converter would (GGUF, "
                                        "optionally also a Hugging Face directory).")
-    make.build_parser(maker)
-    maker.set_defaults(fn=lambda args: sys.exit(make.run(args)))
+    _add_make_model_args(maker)
+    maker.set_defaults(fn=cmd_make_model)
     return p
 
 

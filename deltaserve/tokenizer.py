@@ -249,6 +249,12 @@ class Tokenizer:
         except jinja2.TemplateError as error:
             raise DeltaserveError(f"chat template failed: {error}") from error
 
+    def chat_prompt(self, messages: list[dict]) -> str:
+        """The prompt that asks for the next assistant turn: the chat template's, or for a plain-completion
+        model (no template) the conversation as a play script (`plain_chat`)."""
+        return self.apply_chat_template(messages, add_generation_prompt=True) if self.chat_template \
+            else plain_chat(messages)
+
     # -- writing -------------------------------------------------------------------------------
 
     def save_hf_dir(self, path: str | Path) -> None:
@@ -305,6 +311,11 @@ class Tokenizer:
                 add(fields[key])
         if "tokenizer.chat_template" in fields:
             writer.add_chat_template(fields["tokenizer.chat_template"])
+
+
+def plain_chat(messages: list[dict]) -> str:
+    """For a plain-completion model (no chat template): the conversation as a play, speaker names first."""
+    return "".join(f"{m['role'].upper()}:\n{m['content']}\n\n" for m in messages) + "ASSISTANT:\n"
 
 
 class StreamDecoder:

@@ -1,6 +1,10 @@
 import pytest
 
 from deltaserve.convert import make_model
+from deltaserve.engine.llm import load
+from deltaserve.models import FAMILIES
+
+ARCHES = [arch for family in FAMILIES for arch in family.gguf_archs]  # every registered family
 
 
 @pytest.fixture(scope="session")
@@ -9,3 +13,32 @@ def tiny_gguf(tmp_path_factory):
     path = tmp_path_factory.mktemp("models") / "tiny-qwen35.gguf"
     make_model("qwen35", "tiny", "f32", path, seed=0)
     return path
+
+
+@pytest.fixture(scope="session")
+def model_path(tmp_path_factory):
+    """arch -> a random-weight tiny GGUF of that architecture (made once per session)."""
+    root = tmp_path_factory.mktemp("cache-models")
+    made = {}
+
+    def get(arch: str, seed: int = 5, dtype: str = "f32"):
+        key = (arch, seed, dtype)
+        if key not in made:
+            made[key] = root / f"{arch}-{seed}-{dtype}.gguf"
+            make_model(arch, "tiny", dtype, made[key], seed=seed)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def loaded(model_path):
+    """arch -> (model, tokenizer), loaded once per session."""
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cache[arch] = load(model_path(arch))
+        return cache[arch]
+
+    return get

@@ -1,12 +1,20 @@
 """The deltaserve command, run as a user runs it: a subprocess, its stdout and exit code."""
 
+import argparse
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
+from deltaserve.cli import build_parser
 from deltaserve.engine.llm import LLM
+from deltaserve import convert
+from deltaserve.convert import presets
+
+COMMANDS = ["run", "chat", "serve", "bench", "make-model"]
+HEAVY = {"torch", "numpy", "gguf", "tokenizers", "jinja2", "fastapi", "uvicorn"}
 
 
 def deltaserve(*args, stdin=None, timeout=300):
@@ -42,10 +50,41 @@ def test_chat_answers_each_line_until_an_empty_one(tiny_gguf):
     assert done.stdout.count("\n") == 2
 
 
-@pytest.mark.parametrize("command", ["run", "chat", "serve", "bench", "make-model"])
+@pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_explains_itself(command):
     done = deltaserve(command, "--help")
     assert done.returncode == 0 and "usage: " in done.stdout and len(done.stdout.splitlines()) > 5
+
+
+@pytest.mark.parametrize("command", ["", *COMMANDS])
+def test_help_imports_nothing_heavy(command):
+    """--help answers without torch & co: python's import log (-X importtime) lists every module loaded."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "deltaserve", *command.split(), "--help"],
+                          text=True, capture_output=True, timeout=60, env={"PATH": ""})
+    seconds = time.perf_counter() - start
+    assert done.returncode == 0 and "usage: deltaserve" in done.stdout, done.stderr[-2000:]
+    loaded = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "deltaserve.cli" in loaded  # the log is read right
+    assert {name.split(".")[0] for name in loaded} & HEAVY == set()
+    assert seconds < 1.5
+
+
+def test_make_model_choices_are_the_makers():
+    """The CLI writes the maker's names out (importing them would import torch); they must agree."""
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    maker = commands.choices["make-model"]
+    choices = {a.dest: set(a.choices) for a in maker._actions if a.choices}
+    assert choices == {"arch": set(convert.PRESETS), "preset": set(presets.PRESET_NAMES), "dtype": set(convert.DTYPES)}
+    assert {name for arch in convert.PRESETS.values() for name in arch} == set(presets.PRESET_NAMES)
+
+
+def test_make_model_writes_what_the_maker_writes(tmp_path):
+    done = deltaserve("make-model", "--arch", "qwen35", "--dtype", "f32", "--seed", "3", tmp_path / "cli.gguf")
+    assert done.returncode == 0, done.stderr
+    assert f"wrote {tmp_path / 'cli.gguf'}" in done.stderr
+    convert.make_model("qwen35", "tiny", "f32", tmp_path / "api.gguf", seed=3)
+    assert (tmp_path / "cli.gguf").read_bytes() == (tmp_path / "api.gguf").read_bytes()
 
 
 def test_a_missing_model_is_one_clear_line(tmp_path):

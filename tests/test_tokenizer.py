@@ -288,6 +288,17 @@ MESSAGES = [{"role": "user", "content": "Q1"}, {"role": "tool", "content": "igno
 TOOLS = [{"name": "search", "description": "find <things> & 'stuff'", "parameters": {"q": "字符串"}}]
 
 
+def test_chat_prompt_uses_the_template_else_a_play_script(tok):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert tok.chat_prompt(messages) == tok.apply_chat_template(messages, add_generation_prompt=True)
+    tok.chat_template = None
+    try:
+        plain = tok.chat_prompt(messages)
+    finally:
+        tok.chat_template = CHATML_TEMPLATE
+    assert plain == "SYSTEM:\nBe brief.\n\nUSER:\nHi\n\nASSISTANT:\n"
+
+
 def test_qwen_style_template_matches_hand_written_and_transformers(tok, hf):
     tok.chat_template = QWEN_STYLE
     try:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from deltaserve.cache.speculative import make_speculator
+from deltaserve.engine.speculative import make_speculator
 from deltaserve.engine.llm import DEFAULT_MODEL, LLM
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampling import SamplingParams

@@ -72,7 +72,11 @@ class CacheManager:
         if path and path[-1].end > live(best):
             end = path[-1].end  # restore where the fewest KV rows must be copied, else into the oldest slot
             best = max(candidates, key=lambda s: (min(_common(self.history[s], prompt), end), -self._last_used[s]))
-            self._restore(best, prompt, path)
+            try:
+                self._restore(best, prompt, path)
+            except BaseException:
+                self.reset(best)  # a restore cut short leaves the slot half-written
+                raise
         elif live(best) == 0:
             best = min(candidates, key=lambda s: self._last_used[s])
             self.reset(best)

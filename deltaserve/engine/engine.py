@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from deltaserve.cache.speculative import make_speculator
-
 from .request import Event, Request
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .speculative import make_speculator
+
+log = logging.getLogger("deltaserve.engine")
 
 
 @dataclass
@@ -86,15 +88,12 @@ class Engine:
                 inbox, self._inbox = self._inbox, []
             for req in inbox:
                 self.scheduler.add(req, self.speculator)
-            try:
+            try:  # a failed pass ends only its own requests, inside step; this is for errors outside any pass
                 self.scheduler.step()
-            except Exception as e:  # a bug must not hang every client: end the running requests with the error
-                for req in self.scheduler.running + list(self.scheduler.waiting):
-                    req.finish("error", f"engine error: {type(e).__name__}: {e}")
-                    if req.slot is not None:
-                        self.runner.reset(req.slot)  # its state may be half-written
-                self.scheduler.step()
-        for req in self.scheduler.running + list(self.scheduler.waiting):
+            except Exception as e:  # a bug must not hang every client: end the running requests, serve the rest
+                log.exception("an engine step failed; the running requests end with the error")
+                self.scheduler.abort(f"engine error: {type(e).__name__}: {e}")
+        for req in self.scheduler.running + list(self.scheduler.waiting) + self._inbox:
             req.finish("cancelled")
 
 

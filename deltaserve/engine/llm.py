@@ -15,7 +15,6 @@ from typing import Literal
 
 import torch
 
-from deltaserve.cache.speculative import Speculator, make_speculator
 from deltaserve.errors import DeltaserveError
 from deltaserve.loader import open_checkpoint
 from deltaserve.loader.gguf_file import progress_bar
@@ -26,6 +25,7 @@ from .request import Delta, Done, Event, Request
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .speculative import Speculator, make_speculator
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "data" / "default.gguf"
 
@@ -78,7 +78,8 @@ class LLM:
         """Continue `prompt` (text or token ids). Returns a GenerationResult, or with stream=True an iterator
         of text pieces as they are decided (text that may still turn into a stop string is held back).
         speculative: "ngram", a draft model's path, False (off) or None (the LLM's default). Greedy output
-        is the same with or without it."""
+        is the same with or without it. A failure on the way (the model, the sampler, a drafter) raises
+        DeltaserveError naming it, from the stream too; the slot starts over, so the next call works."""
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 min_p=min_p, seed=seed, stop=[stop] if isinstance(stop, str) else list(stop),
                                 ignore_eos=ignore_eos)
@@ -87,7 +88,7 @@ class LLM:
         req = Request(self._encode(prompt), params, self.tokenizer, on_event=events.append)
         steps = self._run(req, events, self._speculator(spec) if spec else None)
         if stream:
-            return (e.text for e in steps if isinstance(e, Delta))
+            return self._texts(steps)
         done = [e for e in steps if isinstance(e, Done)][-1]
         if done.error:
             raise DeltaserveError(done.error)
@@ -98,12 +99,25 @@ class LLM:
         ids = self._encode(token_ids)
         self.runner.reset(0)
         chunks = [ids[i:i + self.prefill_chunk] for i in range(0, len(ids), self.prefill_chunk)]
-        return torch.cat([self.runner.forward([0], [c], logits="all")[0] for c in chunks])
+        try:
+            return torch.cat([self.runner.forward([0], [c], logits="all")[0] for c in chunks])
+        except BaseException:
+            self.runner.reset(0)  # a pass cut short leaves the slot half-written
+            raise
 
     def _speculator(self, spec: str) -> Speculator:
         if spec not in self.speculators:
             self.speculators[spec] = make_speculator(spec, self.runner, self.spec_tokens, self.dtype)
         return self.speculators[spec]
+
+    @staticmethod
+    def _texts(steps):
+        """The text pieces of a run's events; an error ends the stream by raising it."""
+        for event in steps:
+            if isinstance(event, Delta):
+                yield event.text
+            elif event.error:
+                raise DeltaserveError(event.error)
 
     def _run(self, req: Request, events: list[Event], speculator: Speculator | None = None):
         self.scheduler.add(req, speculator)
@@ -123,7 +137,9 @@ class LLM:
                     if not req.prefilling:
                         bar.close()
                         bar = None
-        finally:  # a stream abandoned half-way frees its slot
+        finally:  # a stream abandoned half-way (or a failed one) frees its slot
+            if bar is not None:
+                bar.close()
             if req.done is None:
                 req.cancelled = True
                 self.scheduler.step()

@@ -80,9 +80,10 @@ class Request:
     def finish(self, reason: str, error: str | None = None) -> None:
         if self.done is not None:
             return
-        self._emit_until(len(self.text))
         self.pending = None
+        # done before any event goes out: a handler that raises cannot leave the request running
         self.done = Done(reason, len(self.prompt_ids), len(self.output_ids), self.text, self.output_ids, error)
+        self._emit_until(len(self.text))
         self.on_event(self.done)
 
     def _emit_until(self, end: int) -> None:

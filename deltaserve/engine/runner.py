@@ -7,8 +7,6 @@ snapshot after each of them, and `rollback` keeps the accepted ones.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from deltaserve.cache.manager import CacheManager
@@ -40,7 +38,7 @@ class ModelRunner:
     @property
     def can_rollback(self) -> bool:
         """Whether the model keeps per-token snapshots (forward(..., snapshots=K)), which `verify` needs."""
-        return "snapshots" in inspect.signature(self.model.forward).parameters
+        return getattr(self.model, "supports_snapshots", False)
 
     def free_slots(self) -> int:
         return self.cache.free_slots()

@@ -3,19 +3,26 @@ prefill chunks of waiting prompts up to a token budget. Requests join and leave 
 
 A request added with a Speculator decodes speculatively: its drafts are verified in one batched pass
 (rows padded to the longest draft; padding is never accepted) and each slot rolled back to what it kept.
+
+A pass that raises (the model, the sampler, a drafter, a cache restore) ends the requests it served with
+finish reason "error", and their slots start over; the other requests go on.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
-
-from deltaserve.cache.speculative import Speculator, accept
 
 from .request import Request
 from .runner import ModelRunner
 from .sampling import sample
+from .speculative import Speculator, accept
+
+log = logging.getLogger("deltaserve.engine")
 
 
 class Scheduler:
@@ -54,20 +61,25 @@ class Scheduler:
                 req.finish("cancelled")
                 self.speculators.pop(req, None)
                 continue
-            req.slot, req.n_fed = self.runner.acquire(req.prompt_ids)
-            self.running.append(req)
+            with self._serving([req]):
+                req.slot, req.n_fed = self.runner.acquire(req.prompt_ids)
+                self.running.append(req)
+            if req.done is not None:  # the slot could not be set up: it never ran
+                self.speculators.pop(req, None)
 
     def _decode(self) -> None:
         batch = [r for r in self.running if r.pending is not None and not r.cancelled]
         if not batch:
             return
         drafts = self._draft([r for r in batch if r in self.speculators])
-        plain = [r for r in batch if r not in drafts]
+        plain = [r for r in batch if r not in drafts and r.done is None]  # a failed draft ended its request
         if plain:
-            logits = self.runner.forward([r.slot for r in plain], [[r.pending] for r in plain])
-            self._take_samples(plain, logits)
+            with self._serving(plain):
+                logits = self.runner.forward([r.slot for r in plain], [[r.pending] for r in plain])
+                self._take_samples(plain, logits)
         if drafts:
-            self._verify(drafts)
+            with self._serving(list(drafts)):
+                self._verify(drafts)
 
     def _draft(self, reqs: list[Request]) -> dict[Request, list[int]]:
         """Non-empty drafts of the requests that decode speculatively, each at most as long as its room,
@@ -79,8 +91,9 @@ class Scheduler:
             mine, ks = [r for r, k in zip(mine, ks) if k > 0], [k for k in ks if k > 0]
             if not mine:
                 continue
-            proposed = spec.drafter.propose([r.slot for r in mine], [r.prompt_ids + r.output_ids for r in mine], ks)
-            drafts.update((r, d) for r, d in zip(mine, proposed) if d)
+            with self._serving(mine):
+                proposed = spec.drafter.propose([r.slot for r in mine], [r.prompt_ids + r.output_ids for r in mine], ks)
+                drafts.update((r, d) for r, d in zip(mine, proposed) if d)
         return drafts
 
     def _verify(self, drafts: dict[Request, list[int]]) -> None:
@@ -107,22 +120,65 @@ class Scheduler:
             if budget <= 0:
                 break
             chunk = req.prompt_ids[req.n_fed:req.n_fed + budget]
-            logits = self.runner.forward([req.slot], [chunk])
-            req.n_fed += len(chunk)
             budget -= len(chunk)
-            if not req.prefilling:
-                if req.params.max_tokens == 0:
-                    req.finish("length")
-                else:
-                    self._take_samples([req], logits)
+            with self._serving([req]):
+                logits = self.runner.forward([req.slot], [chunk])
+                req.n_fed += len(chunk)
+                if not req.prefilling:
+                    if req.params.max_tokens == 0:
+                        req.finish("length")
+                    else:
+                        self._take_samples([req], logits)
 
     def _take_samples(self, reqs: list[Request], logits: torch.Tensor) -> None:
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         for req, token in zip(reqs, tokens):
             req.add_token(token, room=self.runner.room(req.slot))
 
+    # ------------------------------------------------------------------ errors
+    @contextmanager
+    def _serving(self, reqs: list[Request]) -> Iterator[None]:
+        """Run a pass for `reqs`. If it raises, they end with the error and their slots are reset, since the
+        pass may have written part of their state; the step goes on with the other requests. An interrupt
+        (KeyboardInterrupt) still propagates, after the reset."""
+        try:
+            yield
+        except Exception as e:
+            log.exception("a pass over request(s) %s failed; they end with the error", [r.id for r in reqs])
+            self.fail(reqs, f"engine error: {type(e).__name__}: {e}")
+        except BaseException:
+            self._reset_slots(reqs)
+            raise
+
+    def fail(self, reqs: list[Request], message: str) -> None:
+        """End `reqs` with finish reason "error" and reset their slots; they leave the queues at the next
+        step (or `abort`)."""
+        self._reset_slots(reqs)
+        for req in reqs:
+            try:
+                req.finish("error", message)
+            except Exception:  # its event handler failed; the request is done all the same
+                log.exception("could not deliver the error of request %d", req.id)
+
+    def abort(self, message: str) -> None:
+        """After a step that raised outside any one pass: end the running requests and free their slots.
+        The waiting ones were not touched and stay."""
+        running, self.running = self.running, []
+        self.fail(running, message)
+        for req in running:
+            self.runner.release(req.slot)
+            self.speculators.pop(req, None)
+
+    def _reset_slots(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            if req.slot is None:
+                continue
+            self.runner.reset(req.slot)
+            if req in self.speculators:
+                self.speculators[req].drafter.reset([req.slot])
+
     def _drop_finished(self) -> None:
-        for req in [r for r in self.waiting if r.cancelled]:
+        for req in [r for r in self.waiting if r.cancelled or r.done is not None]:
             self.waiting.remove(req)
             req.finish("cancelled")
             self.speculators.pop(req, None)

@@ -126,8 +126,7 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
         _check_model(engine, body.model)
         messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
         try:
-            prompt = (tok.apply_chat_template(messages, add_generation_prompt=True) if tok.chat_template
-                      else _plain_chat(messages))
+            prompt = tok.chat_prompt(messages)
         except DeltaserveError as e:
             raise APIError(400, f"messages: {e}", "messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -146,11 +145,6 @@ def _text(content) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     return "".join(part.get("text", "") for part in content if part.get("type") == "text")
-
-
-def _plain_chat(messages: list[dict]) -> str:
-    """For a plain-completion model (no chat template): the conversation as a play, speaker names first."""
-    return "".join(f"{m['role'].upper()}:\n{m['content']}\n\n" for m in messages) + "ASSISTANT:\n"
 
 
 async def _serve(engine: Engine, request: Request, body: _Body, ids: list[int], max_tokens: int | None, chat: bool):

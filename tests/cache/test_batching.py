@@ -8,7 +8,7 @@ from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampling import SamplingParams
 from deltaserve.engine.scheduler import Scheduler
 
-from .conftest import ARCHES
+from tests.conftest import ARCHES
 
 
 def rand(model, n, seed):

@@ -6,7 +6,7 @@ import torch
 
 from deltaserve.engine.runner import ModelRunner
 
-from .conftest import ARCHES
+from tests.conftest import ARCHES
 
 EVERY = 16  # checkpoint interval: small, so short prompts cross several
 
@@ -90,6 +90,30 @@ def test_a_freed_slot_taken_by_another_prompt_starts_clean(loaded):
     assert all(not t[slot].any() for t in runner.state.tensors()) and int(runner.state.lengths[slot]) == 0
     logits = runner.forward([slot], [other], logits="all")[0]
     torch.testing.assert_close(logits, fresh_logits(model, other), atol=1e-5, rtol=1e-5)
+
+
+def test_a_restore_cut_short_leaves_the_slot_empty(loaded, monkeypatch):
+    """A restore that fails half-way (here: after the recurrent state was copied in) must not leave a slot
+    whose history claims tokens its state no longer holds."""
+    model, _ = loaded("qwen35")
+    runner = ModelRunner(model, n_slots=1, max_len=128, checkpoint_interval=EVERY, cache_budget_mb=8)
+    first = rand(model, 61, seed=1)
+    slot, _, _ = prefill(runner, first)
+    runner.release(slot)
+    real = runner.state.load_recurrent
+
+    def fault(*args):
+        real(*args)
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(runner.state, "load_recurrent", fault)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        runner.acquire(first[:40] + rand(model, 13, seed=2))  # restores the checkpoint at 32 into the slot
+    monkeypatch.undo()
+    assert runner.history[slot] == [] and runner.free_slots() == 1
+    longer = first + rand(model, 9, seed=4)  # would continue the slot's state if it still claimed `first`
+    slot, reused, logits = prefill(runner, longer)
+    torch.testing.assert_close(logits, fresh_logits(model, longer)[reused:], atol=1e-5, rtol=1e-5)
 
 
 def test_decode_and_rollback_save_the_checkpoints_they_pass(loaded):

@@ -8,7 +8,7 @@ import torch
 
 from deltaserve.errors import DeltaserveError
 
-from .conftest import ARCHES
+from tests.conftest import ARCHES
 
 
 def fresh(model, tokens: list[list[int]], max_len=64):

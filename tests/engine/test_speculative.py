@@ -5,14 +5,14 @@ import threading
 import pytest
 import torch
 
-from deltaserve.cache.speculative import NgramDrafter, accept
+from deltaserve.engine.speculative import NgramDrafter, accept
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.llm import DEFAULT_MODEL, LLM
 from deltaserve.engine.request import Done
 from deltaserve.engine.sampling import SamplingParams
 from deltaserve.errors import DeltaserveError
 
-from .conftest import ARCHES
+from tests.conftest import ARCHES
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 

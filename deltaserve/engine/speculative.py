@@ -16,14 +16,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from deltaserve.engine.sampling import SamplingParams, filter_logits
+from deltaserve.cache.manager import CacheManager
 from deltaserve.errors import DeltaserveError
 
-from .manager import CacheManager
+from .sampling import SamplingParams, filter_logits
+
+
+class Drafter(Protocol):
+    def propose(self, slots: list[int], contexts: list[list[int]], ks: list[int]) -> list[list[int]]:
+        """Up to ks[i] draft tokens to follow contexts[i], the sequence in the target's slot slots[i]."""
+
+    def reset(self, slots: list[int]) -> None:
+        """Forget what the drafter keeps for these slots (a failed step may have left it half-written)."""
 
 
 class NgramDrafter:
@@ -37,6 +46,9 @@ class NgramDrafter:
 
     def propose(self, slots: list[int], contexts: list[list[int]], ks: list[int]) -> list[list[int]]:
         return [self.lookup(ctx, k) for ctx, k in zip(contexts, ks)]
+
+    def reset(self, slots: list[int]) -> None:
+        pass  # it keeps nothing between calls
 
     def lookup(self, context: list[int], k: int) -> list[int]:
         ids = np.asarray(context)
@@ -73,6 +85,10 @@ class ModelDrafter:
             self.cache.restore(s, copy)
         return [d[:k] for d, k in zip(drafts, ks)]
 
+    def reset(self, slots: list[int]) -> None:
+        for s in slots:
+            self.cache.reset(s)
+
     def _forward(self, slots: list[int], tokens: list[list[int]]) -> torch.Tensor:
         out = self.model(torch.tensor(tokens, dtype=torch.long), self.cache.state, torch.tensor(slots, dtype=torch.long))
         self.cache.advance(slots, tokens)
@@ -83,7 +99,7 @@ class ModelDrafter:
 class Speculator:
     """A drafter, the most tokens it drafts per step, and counts of what verification made of them."""
 
-    drafter: NgramDrafter | ModelDrafter
+    drafter: Drafter
     k: int = 4
     proposed: int = 0
     accepted: int = 0

@@ -1,0 +1,5 @@
+"""`python -m deltaserve`: the deltaserve command."""
+
+from deltaserve.cli import main
+
+main()
