@@ -18,7 +18,7 @@ exp / log and +1 / -1).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -155,17 +155,15 @@ class Param:
     name: str
     hf: Layout | None
     gguf: Layout | None
-    meta: dict = field(default_factory=dict, compare=False)
 
 
-def names(layout: Layout, every: bool = False) -> list[str]:
-    """The file tensors of a layout (of its first option; of all options with every=True)."""
+def names(layout: Layout) -> list[str]:
+    """The file tensors of a layout (of each Either's first option: what writers write)."""
     if isinstance(layout, Leaf):
         return [layout.name]
     if isinstance(layout, Either):
-        options = layout.options if every else layout.options[:1]
-        return [n for o in options for n in names(o, every)]
-    return [n for p in layout.parts for n in names(p, every)]
+        return names(layout.options[0])
+    return [n for p in layout.parts for n in names(p)]
 
 
 def available(layout: Layout, has: Callable[[str], bool]) -> bool:
