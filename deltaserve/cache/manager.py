@@ -5,7 +5,9 @@ layers (one HybridState row) for exactly the tokens in `history[slot]`. A new pr
 whose history it extends (the live state); otherwise it restores the newest checkpoint at or before the
 point where it leaves the cached tokens (the recurrent state saved there and the KV rows of the prefix)
 and only the rest is prefilled. A checkpoint is taken whenever a slot's length reaches a multiple of
-`interval`: the runner cuts its forward passes there, and `rollback` saves those it steps back over.
+`interval` or a position its request marked (where the conversation may diverge next turn: the start
+of the assistant's turn, the end of the prompt), and at the end of an answer: the runner cuts its
+forward passes there, and `rollback` saves the interval ones it steps back over.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from collections.abc import Sequence
 
 from deltaserve.errors import DeltaserveError
 
-from .prefix import Block, PrefixStore
 from deltaserve.models.state import RecurrentCopy
+
+from .prefix import Block, Mark, PrefixStore
 
 
 class CacheManager:
@@ -34,6 +37,8 @@ class CacheManager:
         self.store = PrefixStore(checkpoint_interval, int(budget_mb * 2**20)) if checkpoint_interval and budget_mb \
             else None
         self.restored_tokens = 0  # prompt tokens taken from checkpoints instead of prefilled
+        self.hits = 0  # prompts that restored a checkpoint
+        self._wanted: list[set[int]] = [set() for _ in range(n_slots)]  # marked positions still to reach
         self._last_used = [0] * n_slots
         self._clock = 0
 
@@ -53,11 +58,12 @@ class CacheManager:
         return self.max_len - len(self.history[slot])
 
     # ------------------------------------------------------------------ slots
-    def acquire(self, prompt: Sequence[int], slot: int | None = None) -> tuple[int, int]:
+    def acquire(self, prompt: Sequence[int], slot: int | None = None, marks: Sequence[int] = ()) -> tuple[int, int]:
         """A free slot (or `slot` itself, which is not marked busy) set up for `prompt`, and how many of the
         prompt's tokens it now holds: a live slot whose history the prompt extends, else the newest
         checkpoint on the prompt's path, else nothing (the least recently used slot starts over).
-        At least the last prompt token is always left to feed: its logits start the generation."""
+        At least the last prompt token is always left to feed: its logits start the generation.
+        marks: positions (1..len(prompt)) to checkpoint when the slot reaches them."""
         candidates = [slot] if slot is not None else [s for s in range(self.n_slots) if not self.busy[s]]
         if not candidates:
             raise DeltaserveError("acquire: every slot is busy")
@@ -68,12 +74,12 @@ class CacheManager:
             return len(h) if len(h) <= limit and list(prompt[:len(h)]) == h else 0
 
         best = max(candidates, key=lambda s: (live(s), -self._last_used[s]))
-        path = self.store.checkpoint_path(prompt, limit) if self.store is not None else []
-        if path and path[-1].end > live(best):
-            end = path[-1].end  # restore where the fewest KV rows must be copied, else into the oldest slot
+        path, mark = self._restore_point(prompt, limit)
+        end = mark.end if mark is not None else path[-1].end if path else 0
+        if end > live(best):  # restore where the fewest KV rows must be copied, else into the oldest slot
             best = max(candidates, key=lambda s: (min(_common(self.history[s], prompt), end), -self._last_used[s]))
             try:
-                self._restore(best, prompt, path)
+                self._restore(best, prompt, path, mark)
             except BaseException:
                 self.reset(best)  # a restore cut short leaves the slot half-written
                 raise
@@ -82,10 +88,27 @@ class CacheManager:
             self.reset(best)
         if slot is None:
             self.busy[best] = True
-        return best, len(self.history[best])
+        held = len(self.history[best])
+        self._wanted[best] = {m for m in marks if held < m <= len(prompt)} if self.store is not None else set()
+        return best, held
 
-    def release(self, slot: int) -> None:
-        """The slot is free again; its state stays, so a prompt that extends it can continue from it."""
+    def _restore_point(self, prompt: Sequence[int], limit: int) -> tuple[list[Block], Mark | None]:
+        """The deepest checkpoint of the prompt's first `limit` tokens: the blocks to it, and the mark
+        (None when a block boundary is the deepest)."""
+        if self.store is None:
+            return [], None
+        path, found = self.store.checkpoint_path(prompt, limit), self.store.best_mark(prompt, limit)
+        if found is not None and found[1].end > (path[-1].end if path else 0):
+            return found
+        return path, None
+
+    def release(self, slot: int, checkpoint: bool = False) -> None:
+        """The slot is free again; its state stays, so a prompt that extends it can continue from it.
+        checkpoint: also keep its state as a checkpoint (the end of an answer), for when the slot is reused
+        before the conversation comes back."""
+        if checkpoint and self.store is not None and self.history[slot]:
+            self._checkpoint(slot)
+        self._wanted[slot] = set()
         self.busy[slot] = False
         self._clock += 1
         self._last_used[slot] = self._clock
@@ -93,19 +116,24 @@ class CacheManager:
     def reset(self, slot: int) -> None:
         self.state.reset([slot])
         self.history[slot] = []
+        self._wanted[slot] = set()
 
     # ------------------------------------------------------------------ after forward passes
     def boundaries(self, slot: int, n: int) -> list[int]:
         """Offsets in 1..n at which `n` more tokens would bring the slot to a checkpoint position."""
         if self.store is None:
             return []
-        return list(range(self.interval - len(self.history[slot]) % self.interval, n + 1, self.interval))
+        at = len(self.history[slot])
+        regular = range(self.interval - at % self.interval, n + 1, self.interval)
+        return sorted(set(regular) | {m - at for m in self._wanted[slot] if 0 < m - at <= n})
 
     def advance(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], checkpoint: bool = True) -> None:
         """Record that slots[i] took tokens[i]; checkpoint those now at a multiple of the interval."""
         for s, t in zip(slots, tokens):
             self.history[s].extend(t)
-            if checkpoint and self.store is not None and len(self.history[s]) % self.interval == 0:
+            at = len(self.history[s])
+            if checkpoint and self.store is not None and (at % self.interval == 0 or at in self._wanted[s]):
+                self._wanted[s].discard(at)
                 self._checkpoint(s)
 
     def rollback(self, slot: int, length: int) -> None:
@@ -134,23 +162,29 @@ class CacheManager:
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, slot: int) -> None:
-        self.store.put(self.history[slot], lambda a, b: self.state.read_kv(slot, a, b),
-                       lambda: self.state.save_recurrent(slot))
+        """A checkpoint of the slot as it is: a block at a multiple of the interval, else a mark."""
+        self.store.put_mark(self.history[slot], lambda a, b: self.state.read_kv(slot, a, b),
+                            lambda: self.state.save_recurrent(slot))
 
-    def _restore(self, slot: int, prompt: Sequence[int], path: list[Block]) -> None:
-        """Make the slot hold prompt[:end] from checkpoint blocks: KV rows it lacks, then the recurrent state."""
-        end = path[-1].end
+    def _restore(self, slot: int, prompt: Sequence[int], path: list[Block], mark: Mark | None) -> None:
+        """Make the slot hold prompt[:end] from checkpoint blocks (and a mark after them): the KV rows it
+        lacks, then the recurrent state."""
+        pieces = [(block.end - self.interval, block.k, block.v) for block in path]
+        if mark is not None:
+            pieces.append((mark.block.end, mark.k, mark.v))
+        end = mark.end if mark is not None else path[-1].end
         have = min(_common(self.history[slot], prompt), end)  # KV rows already right in this slot
-        for block in path:
-            start = block.end - self.interval
-            if block.end > have:
+        for start, k, v in pieces:
+            size = next((t.shape[0] for t in k if t is not None), 0)
+            if start + size > have:
                 skip = max(have - start, 0)
-                self.state.write_kv(slot, start + skip, [None if t is None else t[skip:] for t in block.k],
-                                    [None if t is None else t[skip:] for t in block.v])
-        self.state.load_recurrent(slot, path[-1].recurrent)
+                self.state.write_kv(slot, start + skip, [None if t is None else t[skip:] for t in k],
+                                    [None if t is None else t[skip:] for t in v])
+        self.state.load_recurrent(slot, (mark or path[-1]).recurrent)
         self.history[slot] = list(prompt[:end])
-        self.store.touch(path)
+        self.store.touch(path + ([mark] if mark is not None else []))
         self.restored_tokens += end
+        self.hits += 1
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:

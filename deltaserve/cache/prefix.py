@@ -3,8 +3,12 @@
 A trie of blocks of `interval` tokens, keyed by their token ids. The block that ends at position p
 holds the KV rows of its own tokens, so the blocks from the root rebuild the KV cache of the whole
 prefix in any slot, and the recurrent state (conv and delta-rule, every layer) after p tokens.
-Over budget, the least recently used block goes first: a leaf is dropped whole, an inner block only
-drops its recurrent state (the blocks below it still need its KV rows).
+Between block boundaries a `Mark` hangs off a block (or the root): the few tokens after it with their KV
+rows and the recurrent state after them. Marks sit where conversations diverge (where an assistant turn
+starts, the end of a prompt, the end of an answer), so a prompt that leaves the cached tokens there
+restores all it shares instead of the last block boundary before it.
+Over budget, the least recently used checkpoint goes first: a mark or a leaf is dropped whole, an inner
+block only drops its recurrent state (the blocks and marks below it still need its KV rows).
 """
 
 from __future__ import annotations
@@ -30,11 +34,34 @@ class Block:
     v: list[torch.Tensor | None]
     recurrent: RecurrentCopy | None  # the state after `end` tokens; None once evicted
     children: dict[tuple[int, ...], Block] = field(default_factory=dict)
+    marks: dict[tuple[int, ...], Mark] = field(default_factory=dict)  # keyed by their tail tokens
     last_used: int = 0
 
     def nbytes(self) -> int:
-        kv = sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
-        return kv + (self.recurrent.nbytes() if self.recurrent is not None else 0)
+        return _kv_bytes(self.k, self.v) + (self.recurrent.nbytes() if self.recurrent is not None else 0)
+
+
+@dataclass(eq=False)
+class Mark:
+    """A checkpoint between block boundaries: `block`'s prefix, then `tail` (shorter than a block)."""
+
+    block: Block
+    tail: tuple[int, ...]
+    k: list[torch.Tensor | None]  # per attention layer: [len(tail), n_kv, head_dim] keys of the tail
+    v: list[torch.Tensor | None]
+    recurrent: RecurrentCopy  # the state after `end` tokens
+    last_used: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.block.end + len(self.tail)
+
+    def nbytes(self) -> int:
+        return _kv_bytes(self.k, self.v) + self.recurrent.nbytes()
+
+
+def _kv_bytes(k, v) -> int:
+    return sum(t.numel() * t.element_size() for t in k + v if t is not None)
 
 
 class PrefixStore:
@@ -49,7 +76,10 @@ class PrefixStore:
 
     @property
     def checkpoints(self) -> int:
-        return sum(b.recurrent is not None for b in self.blocks)
+        return sum(b.recurrent is not None for b in self.blocks) + len(self.marks())
+
+    def marks(self) -> list[Mark]:
+        return [m for b in (self.root, *self.blocks) for m in b.marks.values()]
 
     def checkpoint_path(self, tokens: Sequence[int], limit: int) -> list[Block]:
         """The blocks from the root to the deepest checkpoint (a block with a recurrent state) of a prefix
@@ -63,23 +93,56 @@ class PrefixStore:
             read_recurrent: Callable[[], RecurrentCopy]) -> None:
         """Checkpoint the prefix `tokens` (a multiple of interval long). read_kv(start, end) gives the KV
         rows of positions [start, end) for the blocks not stored yet; read_recurrent() the state after it."""
-        n = self.interval
-        if not tokens or len(tokens) % n:
-            raise DeltaserveError(f"checkpoints sit every {n} tokens, not after {len(tokens)}")
-        path = self._path(tokens)
+        if not tokens or len(tokens) % self.interval:
+            raise DeltaserveError(f"checkpoints sit every {self.interval} tokens, not after {len(tokens)}")
+        path = self._blocks(tokens, read_kv)
+        node = path[-1]
+        if node.recurrent is None:
+            node.recurrent = read_recurrent()
+            self.nbytes += node.recurrent.nbytes()
+        self.touch(path)
+        self._evict()
+
+    def put_mark(self, tokens: Sequence[int], read_kv: Callable[[int, int], KV],
+                 read_recurrent: Callable[[], RecurrentCopy]) -> None:
+        """Checkpoint the prefix `tokens` of any length: at a block boundary as `put` does, else as a mark."""
+        if len(tokens) % self.interval == 0:
+            if tokens:
+                self.put(tokens, read_kv, read_recurrent)
+            return
+        full = len(tokens) - len(tokens) % self.interval
+        path = self._blocks(tokens[:full], read_kv) if full else []
+        block, tail = (path[-1] if path else self.root), tuple(tokens[full:])
+        if tail not in block.marks:
+            mark = Mark(block, tail, *read_kv(full, len(tokens)), read_recurrent())
+            block.marks[tail] = mark
+            self.nbytes += mark.nbytes()
+        self.touch(path + [block.marks[tail]])
+        self._evict()
+
+    def best_mark(self, tokens: Sequence[int], limit: int) -> tuple[list[Block], Mark] | None:
+        """The deepest mark on the path of `tokens` that ends by `limit`, with the blocks that lead to it."""
+        path, best = self._path(tokens[:limit]), None
+        for depth, block in enumerate([self.root, *path]):
+            for tail, mark in block.marks.items():
+                fits = mark.end <= limit and tuple(tokens[block.end:mark.end]) == tail
+                if fits and (best is None or mark.end > best[1].end):
+                    best = (path[:depth], mark)
+        return best
+
+    def _blocks(self, tokens: Sequence[int], read_kv: Callable[[int, int], KV]) -> list[Block]:
+        """The blocks of `tokens` (a multiple of interval long) from the root, those missing made with their
+        KV rows only."""
+        n, path = self.interval, self._path(tokens)
         node = path[-1] if path else self.root
-        while node.end < len(tokens):  # blocks missing above the checkpoint keep only their KV rows
+        while node.end < len(tokens):
             key = tuple(tokens[node.end:node.end + n])
             child = Block(key, node.end + n, node, *read_kv(node.end, node.end + n), None)
             node.children[key] = child
             self.blocks.add(child)
             self.nbytes += child.nbytes()
             path.append(node := child)
-        if node.recurrent is None:
-            node.recurrent = read_recurrent()
-            self.nbytes += node.recurrent.nbytes()
-        self.touch(path)
-        self._evict()
+        return path
 
     def _path(self, tokens: Sequence[int]) -> list[Block]:
         """Stored blocks matching whole blocks of `tokens`, from the root down."""
@@ -91,21 +154,30 @@ class PrefixStore:
             path.append(node)
         return path
 
-    def touch(self, path: list[Block]) -> None:
-        """Mark the blocks of a path used (a restore, a new checkpoint)."""
+    def touch(self, path: list[Block | Mark]) -> None:
+        """Mark the blocks (and marks) of a path used (a restore, a new checkpoint)."""
         for block in path:  # deeper blocks count as more recent: their state saves more work
             self._clock += 1
             block.last_used = self._clock
 
     def _evict(self) -> None:
         while self.nbytes > self.budget:
-            victim = min((b for b in self.blocks if b.recurrent is not None or not b.children),
-                         key=lambda b: b.last_used)
-            if victim.children:  # an inner block: the blocks below still need its KV rows
+            candidates = [b for b in self.blocks if b.recurrent is not None or not (b.children or b.marks)]
+            victim = min(candidates + self.marks(), key=lambda b: b.last_used)
+            if isinstance(victim, Mark):
+                self.nbytes -= victim.nbytes()
+                del victim.block.marks[victim.tail]
+                if victim.block is not self.root and not self._needed(victim.block):
+                    self._remove(victim.block)
+            elif victim.children or victim.marks:  # an inner block: those below still need its KV rows
                 self.nbytes -= victim.recurrent.nbytes()
                 victim.recurrent = None
             else:
                 self._remove(victim)
+
+    @staticmethod
+    def _needed(block: Block) -> bool:
+        return bool(block.children or block.marks or block.recurrent is not None)
 
     def _remove(self, leaf: Block) -> None:
         """Drop a leaf, then each parent left with neither children nor a state."""
@@ -114,6 +186,6 @@ class PrefixStore:
             self.nbytes -= leaf.nbytes()
             self.blocks.remove(leaf)
             del parent.children[leaf.tokens]
-            if parent is self.root or parent.children or parent.recurrent is not None:
+            if parent is self.root or self._needed(parent):
                 return
             leaf = parent

@@ -43,13 +43,13 @@ class ModelRunner:
     def free_slots(self) -> int:
         return self.cache.free_slots()
 
-    def acquire(self, prompt: list[int]) -> tuple[int, int]:
+    def acquire(self, prompt: list[int], marks: tuple[int, ...] = ()) -> tuple[int, int]:
         """A free slot for `prompt` and how many of its tokens that slot already holds (from its live state
-        or a checkpoint of the prefix store)."""
-        return self.cache.acquire(prompt)
+        or a checkpoint of the prefix store). marks: positions to checkpoint on the way (CacheManager)."""
+        return self.cache.acquire(prompt, marks=marks)
 
-    def release(self, slot: int) -> None:
-        self.cache.release(slot)
+    def release(self, slot: int, checkpoint: bool = False) -> None:
+        self.cache.release(slot, checkpoint)
 
     def reset(self, slot: int) -> None:
         self.cache.reset(slot)

@@ -142,3 +142,29 @@ def test_decode_and_rollback_save_the_checkpoints_they_pass(loaded):
         torch.testing.assert_close(keys, ref.k[3][0, :end], atol=1e-4, rtol=1e-4)  # |k| ~ 1, other chunking
     logits = runner.forward([slot], [seq[35:]], logits="all")[0]
     torch.testing.assert_close(logits, fresh_logits(model, seq)[35:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_marked_positions_and_answer_ends_are_restored_exactly(arch, loaded):
+    """A conversation diverges where the assistant's turn starts (a history without the thinking goes back
+    there) and continues after an answer: both are restored whole, between the interval's checkpoints."""
+    model, _ = loaded(arch)
+    runner = ModelRunner(model, n_slots=1, max_len=128, checkpoint_interval=EVERY, cache_budget_mb=8)
+    turn = rand(model, 45, seed=7)
+    slot, reused = runner.acquire(turn, marks=(41, 45))
+    runner.forward([slot], [turn])
+    answer = rand(model, 6, seed=8)
+    runner.forward([slot], [answer[:-1]])  # decoded tokens (the last one sampled, never fed)
+    runner.release(slot, checkpoint=True)
+    assert runner.cache.store.checkpoints == 3 + 3  # blocks at 16, 32 and 48; marks at 41, 45 and 50
+
+    stripped = turn[:41] + rand(model, 9, seed=9)  # the next prompt leaves the history at 41
+    slot, reused, logits = prefill(runner, stripped)
+    assert reused == 41 and runner.cache.hits == 1
+    torch.testing.assert_close(logits, fresh_logits(model, stripped)[41:], atol=1e-5, rtol=1e-5)
+    runner.release(slot)
+
+    kept = turn + answer[:-1] + rand(model, 5, seed=10)  # ... or keeps the answer: restored from its end
+    slot, reused, logits = prefill(runner, kept)
+    assert reused == 50 and runner.cache.restored_tokens == 41 + 50
+    torch.testing.assert_close(logits, fresh_logits(model, kept)[50:], atol=1e-5, rtol=1e-5)

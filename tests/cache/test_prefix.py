@@ -78,3 +78,31 @@ def test_an_inner_block_drops_its_state_before_its_rows():
 def test_put_checks_the_length():
     with pytest.raises(DeltaserveError, match="every 4 tokens, not after 6"):
         put(PrefixStore(N, 100), list(range(6)))
+
+
+def test_a_mark_between_block_boundaries_keeps_its_tail_rows_and_state():
+    store = PrefixStore(N, 10_000)
+    a = list(range(11))  # two blocks (8 tokens), then a tail of 3
+    store.put_mark(a, kv, state(11))
+    assert checkpoint_end(store, a) == 0  # the blocks hold KV rows only
+    path, mark = store.best_mark(a + [99], limit=12)
+    assert [b.end for b in path] == [4, 8] and (mark.end, mark.tail) == (11, (8, 9, 10))
+    assert mark.k[1][:, 0].tolist() == [8, 9, 10] and mark.recurrent.length == 11
+    assert store.best_mark(a[:10] + [7], limit=11) is None  # the tail differs: no mark on this path
+    assert store.best_mark(a, limit=10) is None  # the mark ends past the limit
+    short = [5, 6]  # shorter than a block: hangs off the root
+    store.put_mark(short, kv, state(2))
+    assert store.best_mark(short + [1, 2], 4)[1].end == 2
+    assert store.nbytes == 2 * KV_BYTES + 5 * KV_BYTES // N + 2 * STATE_BYTES
+
+
+def test_marks_are_evicted_least_recently_used_first_with_their_blocks():
+    one = KV_BYTES + KV_BYTES // 2 + STATE_BYTES  # a block of 4, a tail of 2 and a state
+    store = PrefixStore(N, 2 * one)
+    first, second, third = ([s] * 6 for s in (1, 2, 3))
+    store.put_mark(first, kv, state(6))
+    store.put_mark(second, kv, state(6))
+    store.touch([store.best_mark(first, 6)[1]])  # first is used again: second is now the oldest
+    store.put_mark(third, kv, state(6))
+    assert store.best_mark(second, 6) is None and store.best_mark(first, 6) is not None
+    assert store.nbytes == 2 * one and len(store.blocks) == 2  # second's block went with its mark
