@@ -255,6 +255,22 @@ class Tokenizer:
         return self.apply_chat_template(messages, add_generation_prompt=True) if self.chat_template \
             else plain_chat(messages)
 
+    def reply_start(self, messages: list[dict], prompt_ids: list[int]) -> int:
+        """How many tokens of `prompt_ids` (the chat prompt of `messages`) a later turn's prompt shares: the
+        template renders an earlier answer without the thinking block the generation prompt opens (Qwen3.5
+        drops it), so the next prompt leaves this one where the assistant's turn starts. Found by rendering
+        the conversation with a reply appended; a checkpoint there makes the next turn cost its new tokens."""
+        if not self.chat_template:
+            return len(prompt_ids)
+        with_reply = self.apply_chat_template([*messages, {"role": "assistant", "content": "."}],
+                                              add_generation_prompt=False)
+        n = 0
+        for a, b in zip(prompt_ids, self.encode(with_reply)):
+            if a != b:
+                break
+            n += 1
+        return n
+
     # -- writing -------------------------------------------------------------------------------
 
     def save_hf_dir(self, path: str | Path) -> None:

@@ -299,6 +299,33 @@ def test_chat_prompt_uses_the_template_else_a_play_script(tok):
     assert plain == "SYSTEM:\nBe brief.\n\nUSER:\nHi\n\nASSISTANT:\n"
 
 
+# Qwen3.5's habit in small: the generation prompt opens a thinking block, earlier answers are rendered
+# without theirs.
+THINKING = """{%- for m in messages %}<|im_start|>{{ m.role }}
+{% if m.role == 'assistant' %}{{ m.content.split('</think>')[-1].lstrip() }}{% else %}{{ m.content }}{% endif %}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+<think>
+{% endif %}"""
+
+
+def test_reply_start_is_where_the_next_turn_leaves_the_prompt(tok):
+    messages = [{"role": "user", "content": "What is the river like?"}]
+    tok.chat_template = THINKING
+    try:
+        prompt = tok.encode(tok.chat_prompt(messages))
+        start = tok.reply_start(messages, prompt)
+        answer = {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nSlow and warm."}
+        later = tok.encode(tok.chat_prompt([*messages, answer, {"role": "user", "content": "And in spring?"}]))
+    finally:
+        tok.chat_template = CHATML_TEMPLATE
+    shared = next(i for i, (a, b) in enumerate(zip(prompt, later)) if a != b)
+    assert start == shared < len(prompt)  # the later prompt leaves this one where the assistant's turn starts
+    assert tok.decode(prompt[:start]).endswith("<|im_start|>assistant\n")
+    chatml = tok.encode(tok.chat_prompt(messages))  # a template that keeps history as it was: no divergence
+    assert tok.reply_start(messages, chatml) == len(chatml)
+
+
 def test_qwen_style_template_matches_hand_written_and_transformers(tok, hf):
     tok.chat_template = QWEN_STYLE
     try:
