@@ -18,6 +18,7 @@ from deltaserve.errors import DeltaserveError
 
 from deltaserve.models.state import RecurrentCopy
 
+from . import persist
 from .prefix import Block, Mark, PrefixStore
 
 
@@ -159,6 +160,19 @@ class CacheManager:
         """Back to the point of `save`: only tokens were added to the slot since."""
         self.state.load_recurrent(slot, saved)
         del self.history[slot][saved.length:]
+
+    def save_checkpoints(self, folder, model) -> None:
+        """Keep the prefix checkpoints in `folder` (cache/persist.py), to be loaded after a restart."""
+        if self.store is not None:
+            persist.save(self.store, folder, persist.fingerprint(model))
+
+    def load_checkpoints(self, folder, model) -> int:
+        """Load the checkpoints kept in `folder` by a server of the same model; 0 (and a warning) for
+        files that are damaged or another model's."""
+        if self.store is None or self.store.blocks:
+            return 0
+        return persist.load(folder, persist.fingerprint(model), self.store, self.state.save_recurrent(0),
+                            self.state.read_kv(0, 0, 1))
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, slot: int) -> None:

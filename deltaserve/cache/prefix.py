@@ -101,7 +101,7 @@ class PrefixStore:
             node.recurrent = read_recurrent()
             self.nbytes += node.recurrent.nbytes()
         self.touch(path)
-        self._evict()
+        self.enforce_budget()
 
     def put_mark(self, tokens: Sequence[int], read_kv: Callable[[int, int], KV],
                  read_recurrent: Callable[[], RecurrentCopy]) -> None:
@@ -118,7 +118,7 @@ class PrefixStore:
             block.marks[tail] = mark
             self.nbytes += mark.nbytes()
         self.touch(path + [block.marks[tail]])
-        self._evict()
+        self.enforce_budget()
 
     def best_mark(self, tokens: Sequence[int], limit: int) -> tuple[list[Block], Mark] | None:
         """The deepest mark on the path of `tokens` that ends by `limit`, with the blocks that lead to it."""
@@ -160,7 +160,12 @@ class PrefixStore:
             self._clock += 1
             block.last_used = self._clock
 
-    def _evict(self) -> None:
+    def clear(self) -> None:
+        self.root = Block((), 0, None, [], [], None)
+        self.blocks, self.nbytes = set(), 0
+
+    def enforce_budget(self) -> None:
+        """Evict least recently used checkpoints until the store fits its budget."""
         while self.nbytes > self.budget:
             candidates = [b for b in self.blocks if b.recurrent is not None or not (b.children or b.marks)]
             victim = min(candidates + self.marks(), key=lambda b: b.last_used)
