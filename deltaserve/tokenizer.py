@@ -352,12 +352,14 @@ class StreamDecoder:
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int,
-              special_tokens: Iterable[str] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")) -> Tokenizer:
+              special_tokens: Iterable[str] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+              added_tokens: Iterable[str] = ()) -> Tokenizer:
     """A small byte-level BPE tokenizer learnt from `texts` (qwen2 split, full byte alphabet, so
-    any text encodes), for random-weight test models. Special tokens take the first ids; eos is
-    <|im_end|> (else <|endoftext|>), bos and pad <|endoftext|> (never added, as in Qwen's GGUFs),
-    and the chat template ChatML when those tokens are given."""
-    special_tokens = list(special_tokens)
+    any text encodes), for random-weight test models. Special tokens take the first ids, then the added
+    ones (whole tokens kept in decoded text, like Qwen's <think>); eos is <|im_end|> (else <|endoftext|>),
+    bos and pad <|endoftext|> (never added, as in Qwen's GGUFs), and the chat template ChatML when those
+    tokens are given."""
+    special_tokens, added_tokens = list(special_tokens), list(added_tokens)
     if vocab_size < len(special_tokens) + 256:
         raise DeltaserveError(f"vocab_size={vocab_size} cannot hold the 256 bytes and "
                               f"{len(special_tokens)} special tokens")
@@ -365,13 +367,15 @@ def train_bpe(texts: Iterable[str], vocab_size: int,
     backend.pre_tokenizer, backend.decoder = _pre_tokenizer("qwen2"), decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[AddedToken(t, special=True, normalized=False) for t in special_tokens])
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in special_tokens]
+        + [AddedToken(t, special=False, normalized=False) for t in added_tokens])
     backend.train_from_iterator(texts, trainer)
 
     tokens = [""] * backend.get_vocab_size(with_added_tokens=True)
     for text, i in backend.get_vocab(with_added_tokens=True).items():
         tokens[i] = text
-    types = [TokenType.CONTROL if t in special_tokens else TokenType.NORMAL for t in tokens]
+    types = [TokenType.CONTROL if t in special_tokens else TokenType.USER_DEFINED if t in added_tokens
+             else TokenType.NORMAL for t in tokens]
     ids = {t: i for i, t in enumerate(tokens) if t in special_tokens}
     eos = ids.get("<|im_end|>", ids.get("<|endoftext|>"))
     chatml = "<|im_start|>" in ids and "<|im_end|>" in ids

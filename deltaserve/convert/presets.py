@@ -22,6 +22,7 @@ from deltaserve.models import KimiConfig, QwenConfig
 from deltaserve.models.weights import read, shape_of, write
 from deltaserve.tokenizer import Tokenizer, train_bpe
 
+from . import templates
 from .files import DTYPES, TensorDict, family, write_gguf, write_hf_dir
 
 PRESET_NAMES = ("tiny", "small", "0.8b")  # each architecture has some of these
@@ -179,9 +180,13 @@ and the shape of the waves, and they trust those signs more than any forecast.
 """
 
 
-def train_tokenizer(vocab_size: int = 1024) -> Tokenizer:
-    """The small byte-level BPE tokenizer of every random model, learnt from TOKENIZER_TEXT."""
-    return train_bpe(TOKENIZER_TEXT.split("\n\n"), vocab_size)
+def train_tokenizer(vocab_size: int = 1024, arch: str | None = None) -> Tokenizer:
+    """The small byte-level BPE tokenizer of every random model, learnt from TOKENIZER_TEXT, with the
+    tokens of the chat templates; with `arch`, that architecture's template (templates.py)."""
+    tokenizer = train_bpe(TOKENIZER_TEXT.split("\n\n"), vocab_size, added_tokens=templates.ADDED_TOKENS)
+    if arch is not None:
+        tokenizer.chat_template = templates.QWEN3_JSON if arch == "qwen3next" else templates.QWEN35
+    return tokenizer
 
 
 @dataclass(frozen=True)
@@ -201,7 +206,7 @@ def make_model(arch: str, preset: str, dtype: str, out_path: str | Path, seed: i
     give the same weights whatever the dtype."""
     if dtype not in DTYPES:
         raise DeltaserveError(f"unknown dtype '{dtype}' (known: {', '.join(DTYPES)})")
-    tokenizer = train_tokenizer()
+    tokenizer = train_tokenizer(arch=arch)
     config = preset_config(arch, preset, tokenizer.vocab_size)
     start = time.monotonic()
 

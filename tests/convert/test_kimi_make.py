@@ -190,10 +190,10 @@ def test_llama_cpp_logits_and_greedy_tokens(made):
     assert rel_diff(theirs32, theirs16) < 5e-2
     assert rel_diff(mine, theirs16) < rel_diff(theirs32, theirs16) + 1e-3
 
-    theirs = []
-    for _ in range(32):  # llama.cpp's greedy continuation, one token per step on its own cache
-        theirs.append(int(np.argmax(ref.scores[ref.n_tokens - 1])))
-        ref.eval([theirs[-1]])
+    theirs = []  # llama.cpp's greedy continuation on the f32 file (its f16 run may part from its own f32 run
+    for _ in range(32):  # at a close call, see test_llama_cpp_parity.py), one token per step on its own cache
+        theirs.append(int(np.argmax(ref32.scores[ref32.n_tokens - 1])))
+        ref32.eval([theirs[-1]])
     assert ours.generate(ids, max_tokens=32, temperature=0, ignore_eos=True).token_ids == theirs
     assert len(set(theirs)) > 4
     ref.close()
