@@ -40,6 +40,7 @@ class CacheManager:
         self.restored_tokens = 0  # prompt tokens taken from checkpoints instead of prefilled
         self.hits = 0  # prompts that restored a checkpoint
         self._wanted: list[set[int]] = [set() for _ in range(n_slots)]  # marked positions still to reach
+        self._prompt_len = [0] * n_slots  # of each slot's current request
         self._last_used = [0] * n_slots
         self._clock = 0
 
@@ -90,6 +91,7 @@ class CacheManager:
         if slot is None:
             self.busy[best] = True
         held = len(self.history[best])
+        self._prompt_len[best] = len(prompt)
         self._wanted[best] = {m for m in marks if held < m <= len(prompt)} if self.store is not None else set()
         return best, held
 
@@ -126,14 +128,25 @@ class CacheManager:
             return []
         at = len(self.history[slot])
         regular = range(self.interval - at % self.interval, n + 1, self.interval)
-        return sorted(set(regular) | {m - at for m in self._wanted[slot] if 0 < m - at <= n})
+        return sorted({k for k in regular if self._spaced(slot, at + k)}
+                      | {m - at for m in self._wanted[slot] if 0 < m - at <= n})
+
+    def _spaced(self, slot: int, position: int) -> bool:
+        """Whether a checkpoint sits at `position` (a multiple of the interval). Every interval up to 8 of
+        them, then every 2, 4, ... (the stride doubles with the depth: a 32k-token prompt keeps 24, not 64,
+        recurrent states within the budget), and every interval again over the last 4 of the prompt, where
+        follow-up turns diverge."""
+        n = position // self.interval
+        stride = 1 << max(0, (n // 4).bit_length() - 1)
+        return n % stride == 0 or self._prompt_len[slot] - position < 4 * self.interval
 
     def advance(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], checkpoint: bool = True) -> None:
-        """Record that slots[i] took tokens[i]; checkpoint those now at a multiple of the interval."""
+        """Record that slots[i] took tokens[i]; checkpoint those now at a checkpoint position."""
         for s, t in zip(slots, tokens):
             self.history[s].extend(t)
             at = len(self.history[s])
-            if checkpoint and self.store is not None and (at % self.interval == 0 or at in self._wanted[s]):
+            spaced = at % self.interval == 0 and self._spaced(s, at)
+            if checkpoint and self.store is not None and (spaced or at in self._wanted[s]):
                 self._wanted[s].discard(at)
                 self._checkpoint(s)
 
@@ -146,6 +159,8 @@ class CacheManager:
         if self.store is not None and snaps is not None:
             first = len(tokens) - snaps.tokens + 1
             for b in range(-(-first // self.interval) * self.interval, length + 1, self.interval):
+                if not self._spaced(slot, b):
+                    continue
                 self.state.rollback(slot, b)
                 self.history[slot] = tokens[:b]
                 self._checkpoint(slot)

@@ -168,3 +168,20 @@ def test_marked_positions_and_answer_ends_are_restored_exactly(arch, loaded):
     slot, reused, logits = prefill(runner, kept)
     assert reused == 50 and runner.cache.restored_tokens == 41 + 50
     torch.testing.assert_close(logits, fresh_logits(model, kept)[50:], atol=1e-5, rtol=1e-5)
+
+
+def test_a_long_prompt_keeps_checkpoints_sparser_with_depth_and_dense_at_its_end(loaded):
+    model, _ = loaded("qwen35")
+    runner = ModelRunner(model, n_slots=1, max_len=700, checkpoint_interval=EVERY, cache_budget_mb=64)
+    prompt = rand(model, 40 * EVERY, seed=11)
+    slot, _, logits = prefill(runner, prompt)
+    kept = sorted(b.end // EVERY for b in runner.cache.store.blocks if b.recurrent is not None)
+    # every interval to 8, then every 2nd to 16, every 4th to 32; the last 4 intervals of the prompt all
+    assert kept == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 37, 38, 39, 40]
+    assert len(runner.cache.store.blocks) == 40  # the KV rows of every block, for restoring any of them
+    torch.testing.assert_close(logits, fresh_logits(model, prompt), atol=1e-4, rtol=1e-4)
+    runner.release(slot)
+    other = prompt[:35 * EVERY + 3] + rand(model, 5, seed=12)  # leaves it in the sparse part: back to 32
+    slot, reused, logits = prefill(runner, other)
+    assert reused == 32 * EVERY
+    torch.testing.assert_close(logits, fresh_logits(model, other)[reused:], atol=1e-4, rtol=1e-4)
