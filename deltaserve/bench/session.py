@@ -116,12 +116,12 @@ class Server:
             self.proc.kill()
 
 
-def llama_server_cmd(model: str, ctx: int) -> list[str]:
+def llama_server_cmd(model: str, ctx: int, extra: list[str]) -> list[str]:
     exe = shutil.which("llama-server") or str(Path(sys.executable).with_name("llama-server"))
     if not os.path.exists(exe):
         raise SystemExit("llama-server is not installed: run scripts/install-llama-cpp.sh server")
     return [exe, "-m", model, "-c", str(ctx), "-np", "1", "--jinja", "-t", str(os.cpu_count() or 1),
-            "--host", "127.0.0.1"]
+            "--host", "127.0.0.1", *extra]
 
 
 def main(argv=None) -> int:
@@ -134,6 +134,8 @@ def main(argv=None) -> int:
     p.add_argument("--tool-every", type=int, default=4, help="a tool result every N turns (0: none)")
     p.add_argument("--max-tokens", type=int, default=24, help="tokens per answer (default 24)")
     p.add_argument("--ctx", type=int, default=24576, help="context of both servers (default 24576)")
+    p.add_argument("--llama-flags", default="", help="more llama-server flags, e.g. '-cms 0' (default: none: "
+                   "its defaults, 32 context checkpoints per slot at least 8192 tokens apart)")
     p.add_argument("--restart", action="store_true", help="restart deltaserve on its --cache-dir for one more turn")
     p.add_argument("--json", help="write the results here as JSON")
     args = p.parse_args(argv)
@@ -143,7 +145,7 @@ def main(argv=None) -> int:
     ours_cmd = [sys.executable, "-m", "deltaserve.cli", "serve", args.model, "--slots", "1", "-c",
                 str(args.ctx), "--cache-dir", cache_dir]
     runs = {}
-    for name, cmd in [("deltaserve", ours_cmd)] + ([("llama-server", llama_server_cmd(args.model, args.ctx))]
+    for name, cmd in [("deltaserve", ours_cmd)] + ([("llama-server", llama_server_cmd(args.model, args.ctx, args.llama_flags.split()))]
                                                    if args.against == "llama-server" else []):
         server, start = Server(cmd, name), time.perf_counter()
         try:
