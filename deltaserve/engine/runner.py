@@ -48,6 +48,11 @@ class ModelRunner:
         or a checkpoint of the prefix store)."""
         return self.cache.acquire(prompt)
 
+    def rebuild(self, slot: int, tokens: list[int]) -> int:
+        """Set the reset slot `slot` (still held) up for `tokens` from the newest checkpoint on their path;
+        how many of them it now holds (at most all but the last)."""
+        return self.cache.acquire(tokens, slot=slot)[1]
+
     def release(self, slot: int) -> None:
         self.cache.release(slot)
 
