@@ -85,6 +85,11 @@ class Engine:
     def queue_depth(self) -> int:
         return len(self._inbox) + len(self.scheduler.waiting)
 
+    def waiting_for_slot(self) -> int:
+        """Queued requests that a free slot will not take at the next step (the others are as good as
+        running: a burst of requests passes through the queue on its way to idle slots)."""
+        return max(self.queue_depth() - self.runner.free_slots(), 0)
+
     def running(self) -> int:
         return len(self.scheduler.running)
 

@@ -58,3 +58,39 @@ def secured_server(engine):
     live = LiveServer(create_app(engine, api_key=API_KEY))
     yield live
     live.stop()
+
+
+@pytest.fixture
+def make_server(engine):
+    """make_server(**create_app options) -> a LiveServer over the shared engine, stopped after the test."""
+    made = []
+
+    def make(**options) -> LiveServer:
+        made.append(LiveServer(create_app(engine, **options)))
+        return made[-1]
+
+    yield make
+    for live in made:
+        live.stop()
+
+
+def settled(engine, seconds: float = 30) -> bool:
+    """Whether the engine holds no request (running or queued) within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while engine.running() or engine.queue_depth():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def assert_error(response, status: int, param: str | None = "", fragment: str = ""):
+    """An OpenAI-style error body with `status` (and `param` unless ""), its message holding `fragment`."""
+    assert response.status_code == status, response.text[:500]
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str) and isinstance(body["error"]["type"], str)
+    assert fragment in body["error"]["message"], body
+    if param != "":
+        assert body["error"]["param"] == param, body
+    return body["error"]
