@@ -40,14 +40,15 @@ class Inflight:
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def shutdown(self) -> None:
-        """Stop taking requests and end those in flight with a final event; from any thread (a signal
-        handler too)."""
+        """Stop taking requests and end those in flight with a final event. Safe from any thread and from
+        a signal handler, which may run in the middle of the event loop's own code: the work is done
+        by the loop. (No loop yet: no request was ever submitted, so none is in flight.)"""
         self.closing = True
-        self.engine.cancel_all()
         if self.loop is not None and not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self._end_all)
 
     def _end_all(self) -> None:
+        self.engine.cancel_all()
         for queue in self.queues:
             queue.put_nowait(SHUTDOWN)
 
@@ -112,7 +113,8 @@ class Generation:
 
     def stream(self, include_usage: bool) -> StreamingResponse:
         self.include_usage = include_usage
-        return StreamingResponse(self._events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return _Stream(self._events(), self.close, media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache"})
 
     async def _events(self):
         """Server-sent events, always ending with a final event (finish_reason or an error) and [DONE]."""
@@ -167,6 +169,22 @@ class Generation:
         if self.include_usage:
             body["usage"] = None
         return _sse(body)
+
+
+class _Stream(StreamingResponse):
+    """A StreamingResponse that runs `on_close` however it ends: a client that leaves before the first
+    event is sent cancels the response before its generator starts, and so before the generator's own
+    cleanup could run."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 def usage(done: Done) -> dict:

@@ -179,3 +179,28 @@ def test_the_right_key_is_a_200(secured_server):
                                                   ("delete", "/health", 405)])
 def test_unknown_routes_and_methods_are_json(server, method, path, status):
     assert_error(getattr(httpx, method)(server.url + path, timeout=30), status)
+
+
+def test_an_engine_error_is_a_json_500_naming_no_internals(tiny_gguf):
+    """A model whose vocabulary is larger than its tokenizer's (the embedded model's 4,096 ids under the
+    tiny tokenizer's 823) samples ids the tokenizer cannot decode: that request fails inside the engine.
+    The client gets a JSON 500 (or a final error event) that says so without the exception's text; the
+    engine goes on serving."""
+    model, _ = load(None)
+    _, small_tokenizer = load(tiny_gguf)
+    engine = Engine(model, small_tokenizer, n_slots=2, max_len=256, model_name="mismatch")
+    live = LiveServer(create_app(engine))
+    body = {"prompt": "ROMEO:", "max_tokens": 50, "temperature": 2.0, "seed": 1, "ignore_eos": True}
+    try:
+        r = post(live, "/v1/completions", body)
+        error = assert_error(r, 500, None, "the engine failed")
+        assert (error["type"], error["code"]) == ("server_error", "engine_error")
+        assert "vocabulary" not in r.text and "Error" not in r.text and "Traceback" not in r.text
+        with httpx.stream("POST", live.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+            lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["code"] == "engine_error"
+        assert post(live, "/v1/completions", {**body, "max_tokens": 0}).status_code == 200
+        assert settled(engine) and engine.runner.free_slots() == 2
+    finally:
+        live.stop()
+        engine.close()

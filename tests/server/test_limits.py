@@ -13,11 +13,13 @@ import pytest
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.llm import load
 from deltaserve.server.app import create_app
-from deltaserve.server.schemas import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from deltaserve.server.schemas import MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 from .conftest import LiveServer, assert_error, settled
 
 PROMPT = "To be, or not to be, that is the question"
+# seconds /health may take: the issue's stalls were 12-19 s; a machine shared with other jobs adds some
+HEALTHY = 2.0
 
 
 def body_of_size(size: int) -> bytes:
@@ -63,12 +65,12 @@ def test_a_huge_body_at_the_default_limit(server, engine):
     del body
     assert statm() - before < 50 * 2**20
     start = time.monotonic()
-    assert httpx.get(server.url + "/health", timeout=5).status_code == 200 and time.monotonic() - start < 1
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200 and time.monotonic() - start < HEALTHY
 
 
 def test_a_long_prompt_under_the_limit_does_not_hold_up_health(server):
-    """3.5 MB of text for a 512-token context: refused without tokenising it, and /health answers
-    meanwhile within a fraction of a second."""
+    """3.5 MB of text for a 512-token context: refused without tokenising it (about 5 s with the GIL held),
+    and /health answers meanwhile."""
     body = json.dumps({"prompt": "word " * 700_000, "max_tokens": 1}).encode()
     with cf.ThreadPoolExecutor(1) as pool:
         refused = pool.submit(httpx.post, server.url + "/v1/completions", content=body, timeout=60,
@@ -79,7 +81,7 @@ def test_a_long_prompt_under_the_limit_does_not_hold_up_health(server):
             assert httpx.get(server.url + "/health", timeout=5).status_code == 200
             latencies.append(time.monotonic() - start)
         assert assert_error(refused.result(), 400, "prompt")["code"] == "context_length_exceeded"
-    assert max(latencies) < 1.0
+    assert max(latencies) < HEALTHY
 
 
 @pytest.mark.parametrize("stop, fragment", [
@@ -91,6 +93,13 @@ def test_a_long_prompt_under_the_limit_does_not_hold_up_health(server):
 def test_stop_strings_are_bounded(server, stop, fragment):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "stop": stop}, timeout=30)
     assert_error(r, 400, "stop", fragment)
+
+
+def test_messages_are_bounded(server):
+    """Each message is validated on the event loop: 60,000 of them held it for 0.6 s."""
+    body = {"messages": [{"role": "user", "content": "hi"}] * (MAX_MESSAGES + 1), "max_tokens": 1}
+    assert_error(httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30), 400, "messages",
+                 f"at most {MAX_MESSAGES}")
 
 
 def test_the_most_stop_strings_allowed_cost_little(server):

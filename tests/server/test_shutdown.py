@@ -3,11 +3,8 @@ stream with a final event and [DONE] and every waiting request with a 503, and e
 second signal: at once), instead of waiting for every generation to finish."""
 
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -15,39 +12,9 @@ import httpx
 import pytest
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
-def serve(tiny_gguf):
-    """serve() -> (process, url) of `deltaserve serve` on the tiny model, answering /health; killed at the
-    end of the test if it is still running."""
-    procs = []
-
-    def start():
-        port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "deltaserve.cli", "serve", str(tiny_gguf), "--port", str(port),
-                                 "-c", "4096", "--slots", "4", "-t", "2"], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env={**os.environ, "DELTASERVE_NO_PROGRESS": "1"})
-        procs.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    return proc, url
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise RuntimeError(f"the server did not start: {proc.stderr.read() if proc.poll() is not None else ''}")
-
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+def serve(spawn):
+    return lambda: spawn("-c", "4096", "--slots", "4")
 
 
 class Stream(threading.Thread):
