@@ -5,9 +5,12 @@ the route's `receive` stays the server's own, so a client that leaves is seen wh
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import Callable
 
-from .errors import error_response
+from .errors import INTERNAL, error_response
+
+log = logging.getLogger("deltaserve.server")
 
 Scope, Message = dict, dict
 
@@ -41,7 +44,7 @@ class Guard:
             return
         if body is None:
             return await _refuse(scope, receive, send, self._too_large(), more_body=more)
-        await self.app(scope, _replay(body, receive), send)
+        await _answered(self.app, scope, _replay(body, receive), send)
 
     def _too_large(self):
         return error_response(413, f"the request body is larger than this server's limit of {self.max_body} "
@@ -63,6 +66,26 @@ async def _read(receive, limit: int) -> tuple[bytes | None, bool | None]:
         chunks.append(chunk)
         if not more:
             return b"".join(chunks), False
+
+
+async def _answered(app, scope: Scope, receive, send) -> None:
+    """Run the app; an exception before the response started becomes a JSON 500 here. (Starlette's own
+    handler answers too, but then re-raises to the server, which closes the connection: a keep-alive
+    client's next request on it would fail.)"""
+    started = False
+
+    async def watched(message: Message) -> None:
+        nonlocal started
+        started = started or message["type"] == "http.response.start"
+        await send(message)
+
+    try:
+        await app(scope, receive, watched)
+    except Exception:
+        if started:  # mid-response: only closing the connection can tell the client
+            raise
+        log.exception("%s %s failed", scope.get("method"), scope.get("path"))
+        await error_response(500, INTERNAL, "server_error", code="internal_error")(scope, receive, send)
 
 
 def _replay(body: bytes, receive):
