@@ -15,7 +15,7 @@ from deltaserve.errors import DeltaserveError
 
 # engine.sampling's seed range and the server's defaults, written out: importing them would import torch
 SEED_RANGE = (-2**63, 2**64 - 1)
-MAX_REQUEST_BYTES, MAX_QUEUE = 4 * 2**20, 64
+MAX_REQUEST_BYTES = 4 * 2**20
 
 
 def _int(low: int, high: int | None = None):
@@ -222,8 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="model id in the API (default: the file name)")
     serve.add_argument("--max-request-bytes", type=_int(1), default=MAX_REQUEST_BYTES,
                        help="largest request body; larger ones get 413 (default 4 MiB)")
-    serve.add_argument("--max-queue", type=_int(0), default=MAX_QUEUE,
-                       help="requests that may wait for a slot; more get 503 with Retry-After (default 64)")
+    serve.add_argument("--max-queue", type=_int(0), default=None,
+                       help="requests that may wait for a slot; more get 503 with Retry-After (default: twice --slots)")
     serve.set_defaults(fn=cmd_serve)
 
     bench = sub.add_parser("bench", help="prefill / decode tokens/s and peak memory of a model (or 'ops')",

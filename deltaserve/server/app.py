@@ -23,13 +23,18 @@ from .schemas import ChatBody, CompletionBody
 
 CHAT_PAGE = Path(__file__).with_name("chat.html")
 MAX_REQUEST_BYTES = 4 * 2**20  # a prompt filling a 256k-token context is about 1 MB of text
-MAX_QUEUE = 64  # requests waiting for a slot; beyond, 503 and Retry-After
+# requests that may wait for a slot, per slot: a waiting request then starts within about two generations
+# (an unbounded queue let one client park any number of requests); beyond, 503 and Retry-After
+QUEUE_PER_SLOT = 2
 RETRY_AFTER_SECONDS = 1
 
 
 def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
-               max_queue: int = MAX_QUEUE) -> FastAPI:
-    """The API over `engine`. app.state.inflight.shutdown() ends every request in flight (on SIGTERM)."""
+               max_queue: int | None = None) -> FastAPI:
+    """The API over `engine`; max_queue None: QUEUE_PER_SLOT per slot. app.state.inflight.shutdown() ends
+    every request in flight (on SIGTERM)."""
+    if max_queue is None:
+        max_queue = QUEUE_PER_SLOT * engine.runner.n_slots
     app = FastAPI(title="deltaserve", docs_url=None, redoc_url=None, default_response_class=JSON)
     inflight = Inflight(engine)
     app.state.inflight = inflight

@@ -116,10 +116,13 @@ def test_the_most_stop_strings_allowed_cost_little(server):
     assert seconds(stop=[chr(0x4e00 + i) * MAX_STOP_CHARS for i in range(MAX_STOP_STRINGS)]) < 2 * without + 0.5
 
 
-def test_a_full_queue_is_a_503_with_retry_after(make_server, engine):
-    """Every slot busy and max_queue requests waiting: the next one is refused at once; the others go on."""
-    live = make_server(max_queue=1)
-    n = engine.runner.n_slots + 1
+@pytest.mark.parametrize("max_queue", [1, None], ids=["max_queue_1", "default"])
+def test_a_full_queue_is_a_503_with_retry_after(make_server, engine, max_queue):
+    """Every slot busy and max_queue requests waiting (by default twice the slots): the next one is refused
+    at once; the others go on."""
+    live = make_server(max_queue=max_queue)
+    slots = engine.runner.n_slots
+    waiting = 2 * slots if max_queue is None else max_queue
     responses = []
     stop = threading.Event()
 
@@ -131,14 +134,14 @@ def test_a_full_queue_is_a_503_with_retry_after(make_server, engine):
                 if stop.is_set():
                     return
 
-    threads = [threading.Thread(target=hold, args=(i,)) for i in range(n)]
+    threads = [threading.Thread(target=hold, args=(i,)) for i in range(slots + waiting)]
     for t in threads:
         t.start()
     try:
         deadline = time.monotonic() + 30
-        while (engine.running(), engine.queue_depth()) != (n - 1, 1) and time.monotonic() < deadline:
+        while (engine.running(), engine.queue_depth()) != (slots, waiting) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert (engine.running(), engine.queue_depth()) == (n - 1, 1)
+        assert (engine.running(), engine.queue_depth()) == (slots, waiting)
         r = httpx.post(live.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=30)
         assert assert_error(r, 503)["code"] == "queue_full"
         assert r.headers["retry-after"].isdigit()
@@ -146,7 +149,7 @@ def test_a_full_queue_is_a_503_with_retry_after(make_server, engine):
         stop.set()
         for t in threads:
             t.join(timeout=30)
-    assert responses == [200] * n and settled(engine)
+    assert responses == [200] * (slots + waiting) and settled(engine)
 
 
 def test_a_non_streaming_client_that_leaves_frees_its_slot(tiny_gguf):
