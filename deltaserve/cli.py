@@ -7,36 +7,71 @@ here and its implementation (torch, the server) is imported only when it runs, s
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 from deltaserve.errors import DeltaserveError
 
+# engine.sampling's seed range and the server's defaults, written out: importing them would import torch
+SEED_RANGE = (-2**63, 2**64 - 1)
+MAX_REQUEST_BYTES = 4 * 2**20
+
+
+def _int(low: int, high: int | None = None):
+    """An argparse type: an int in [low, high], refused with a message naming the range."""
+    rule = f">= {low}" if high is None else f"in [{low}, {high}]"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is out of range: it must be {rule}")
+        return value
+    return parse
+
+
+def _float(low: float, high: float = math.inf, low_open: bool = False):
+    """An argparse type: a finite float in [low, high] ((low, high] with low_open)."""
+    rule = f"{'>' if low_open else '>='} {low}" if high == math.inf else f"in {'(' if low_open else '['}{low}, {high}]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+        if not (math.isfinite(value) and (value > low if low_open else value >= low) and value <= high):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: it must be a finite number {rule}")
+        return value
+    return parse
+
 
 def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("model", nargs="?", default=None,
                    help="a GGUF file or a Hugging Face directory (default: the embedded Shakespeare model)")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context length in tokens (default 4096)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens (default 512)")
+    p.add_argument("-c", "--ctx-size", type=_int(2), default=4096, help="context length in tokens (default 4096)")
+    p.add_argument("-t", "--threads", type=_int(1), default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--chunk-size", type=_int(1), default=512, help="prefill chunk in tokens (default 512)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="weight dtype for matmuls (default float32)")
     p.add_argument("--kv-dtype", choices=["auto", "float32", "float16"], default="auto",
                    help="KV cache dtype (default auto: float16 beside 16- or 8-bit weights, as llama.cpp; else --dtype)")
-    p.add_argument("--cache-mb", type=float, default=1024,
+    p.add_argument("--cache-mb", type=_float(0), default=1024,
                    help="memory for prefix checkpoints of the recurrent state, in MB; 0 = off (default 1024)")
     p.add_argument("--spec", default=None, metavar="ngram|MODEL.gguf",
                    help="speculative decoding: 'ngram' (prompt lookup) or a smaller draft model (default off)")
-    p.add_argument("--spec-tokens", type=int, default=4, help="tokens drafted per speculative step (default 4)")
+    p.add_argument("--spec-tokens", type=_int(1), default=4, help="tokens drafted per speculative step (default 4)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser):
-    p.add_argument("-n", "--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
-    p.add_argument("--temperature", "--temp", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=40, help="0 = off (default 40)")
-    p.add_argument("--top-p", type=float, default=0.95, help="1 = off (default 0.95)")
-    p.add_argument("--min-p", type=float, default=0.05, help="0 = off (default 0.05)")
-    p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    p.add_argument("-n", "--max-tokens", type=_int(0), default=256, help="tokens to generate (default 256)")
+    p.add_argument("--temperature", "--temp", type=_float(0), default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=_int(0), default=40, help="0 = off (default 40)")
+    p.add_argument("--top-p", type=_float(0, 1, low_open=True), default=0.95, help="1 = off (default 0.95)")
+    p.add_argument("--min-p", type=_float(0, 1), default=0.05, help="0 = off (default 0.05)")
+    p.add_argument("--seed", type=_int(*SEED_RANGE), default=None, help="random seed (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -49,7 +84,7 @@ def _add_make_model_args(p: argparse.ArgumentParser):
                         "(kimi-linear) (default: tiny)")
     p.add_argument("--dtype", choices=("f16", "f32", "q8_0"), default="f16", help="GGUF file type (default: f16)")
     p.add_argument("out", type=Path, help="GGUF file to write")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.add_argument("--seed", type=_int(0, 2**32 - 1), default=0, help="random seed (default: 0)")
     p.add_argument("--hf-dir", type=Path, default=None,
                    help="also write the same weights as a Hugging Face directory here")
 
@@ -111,11 +146,11 @@ def cmd_chat(args):
 
 def cmd_serve(args):
     import torch
-    import uvicorn
 
     from deltaserve.engine.engine import Engine
     from deltaserve.engine.llm import DEFAULT_MODEL, load
     from deltaserve.server.app import create_app
+    from deltaserve.server.serve import serve
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -123,12 +158,13 @@ def cmd_serve(args):
     name = args.served_model_name or Path(args.model or DEFAULT_MODEL).stem
     engine = Engine(model, tokenizer, n_slots=args.slots, max_len=args.ctx_size, prefill_chunk=args.chunk_size,
                     model_name=name, cache_budget_mb=args.cache_mb, speculative=args.spec, spec_tokens=args.spec_tokens)
-    app = create_app(engine, api_key=args.api_key)
+    app = create_app(engine, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                     max_queue=args.max_queue)
     print(f"deltaserve: serving {name} on http://{args.host}:{args.port} (chat page at /)", file=sys.stderr)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    finally:
-        engine.close()
+        serve(app, args.host, args.port)
+    finally:  # every request was cancelled at the signal: the engine ends its step and stops
+        engine.close(timeout=1)
 
 
 def cmd_bench(args):
@@ -180,10 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
                                        "and a chat page at /, with continuous batching.")
     _add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--port", type=_int(0, 65535), default=8000, help="port (default 8000)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
-    serve.add_argument("--slots", type=int, default=8, help="sequences decoded together (default 8)")
+    serve.add_argument("--slots", type=_int(1), default=8, help="sequences decoded together (default 8)")
     serve.add_argument("--served-model-name", default=None, help="model id in the API (default: the file name)")
+    serve.add_argument("--max-request-bytes", type=_int(1), default=MAX_REQUEST_BYTES,
+                       help="largest request body; larger ones get 413 (default 4 MiB)")
+    serve.add_argument("--max-queue", type=_int(0), default=None,
+                       help="requests that may wait for a slot; more get 503 with Retry-After (default: twice --slots)")
     serve.set_defaults(fn=cmd_serve)
 
     bench = sub.add_parser("bench", help="prefill / decode tokens/s and peak memory of a model (or 'ops')",

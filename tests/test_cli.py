@@ -4,6 +4,7 @@ import argparse
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,3 +107,56 @@ def test_run_without_a_model_uses_the_embedded_one():
     assert done.returncode == 0, done.stderr
     text = done.stdout[len("ROMEO:"):]
     assert done.stdout.startswith("ROMEO:") and len(text.split()) >= 10  # about 40 tokens of words
+
+
+def _numeric_flags():
+    """(command, option strings, type) of every flag that takes a number."""
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return [(name, action.option_strings, action.type) for name, parser in commands.choices.items()
+            for action in parser._actions if action.type not in (None, str, Path)]
+
+
+def test_every_numeric_flag_is_range_checked():
+    flags = _numeric_flags()
+    assert len(flags) >= 15
+    unchecked = [(name, opts) for name, opts, kind in flags if kind.__qualname__.split(".")[0] not in ("_int", "_float")]
+    assert unchecked == []
+
+
+BASE = {"serve": ["serve"], "run": ["run", "-p", "x"], "make-model": ["make-model", "--arch", "qwen35", "out.gguf"]}
+
+
+@pytest.mark.parametrize("command, flag, value", [
+    ("serve", "--chunk-size", "0"), ("serve", "-t", "-1"), ("serve", "--ctx-size", "1"), ("serve", "--slots", "0"),
+    ("serve", "--port", "65536"), ("serve", "--max-queue", "-1"), ("serve", "--max-request-bytes", "0"),
+    ("serve", "--cache-mb", "-1"), ("serve", "--cache-mb", "nan"), ("serve", "--spec-tokens", "0"),
+    ("run", "--max-tokens", "-1"), ("run", "--temperature", "inf"), ("run", "--temperature", "-0.5"),
+    ("run", "--top-k", "-1"), ("run", "--top-p", "0"), ("run", "--top-p", "1.01"), ("run", "--min-p", "-0.1"),
+    ("run", "--seed", str(2**64)), ("make-model", "--seed", "-1"), ("serve", "--slots", "two"),
+    ("run", "--top-p", "half"),
+])
+def test_out_of_range_flags_are_one_clear_line(command, flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args([*BASE[command], flag, value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and flag in err and "Traceback" not in err
+    assert "out of range" in err or "is not an integer" in err or "is not a number" in err
+
+
+@pytest.mark.parametrize("command, flag, value", [
+    ("serve", "--port", "0"), ("serve", "--max-queue", "0"), ("serve", "--cache-mb", "0"), ("run", "--top-p", "1"),
+    ("run", "--min-p", "1"), ("run", "--min-p", "0"), ("run", "--temperature", "0"), ("run", "--seed", str(-2**63)),
+    ("run", "--seed", str(2**64 - 1)), ("run", "--max-tokens", "0"),
+])
+def test_flags_at_the_edges_of_their_range_are_taken(command, flag, value):
+    parsed = getattr(build_parser().parse_args([*BASE[command], flag, value]), flag.lstrip("-").replace("-", "_"))
+    assert parsed == type(parsed)(value)
+
+
+@pytest.mark.parametrize("flag, value", [("--chunk-size", "0"), ("-t", "-1")])
+def test_serve_refuses_the_issues_flags_at_once(flag, value):
+    """`serve --chunk-size 0` made every request hang; `-t -1` ended in a traceback."""
+    start = time.perf_counter()
+    done = deltaserve("serve", flag, value, timeout=60)
+    assert done.returncode == 2 and "out of range" in done.stderr and "Traceback" not in done.stderr
+    assert time.perf_counter() - start < 5

@@ -34,6 +34,8 @@ class Engine:
                  model_name: str = "deltaserve", checkpoint_interval: int = 512, cache_budget_mb: float = 1024.0,
                  speculative: str | None = None, spec_tokens: int = 4):
         """speculative: "ngram" or a draft model's path, used by every request; see LLM for the other options."""
+        if n_slots < 1 or max_len < 2:  # a request needs a slot, and room for a prompt token and a new one
+            raise ValueError(f"n_slots must be >= 1 and max_len >= 2, got {n_slots} and {max_len}")
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.runner = ModelRunner(model, n_slots=n_slots, max_len=max_len, checkpoint_interval=checkpoint_interval,
@@ -43,13 +45,18 @@ class Engine:
         self.metrics = self.scheduler.metrics
         self._inbox: list[Request] = []
         self._wake = threading.Condition()
-        self._stopped = False
+        self._stopped = self._cancel_all = False
         self._thread = threading.Thread(target=self._loop, name="deltaserve-engine", daemon=True)
         self._thread.start()
 
     @property
     def max_len(self) -> int:
         return self.runner.max_len
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's embedding: prompt token ids must be below it, whatever the tokenizer holds."""
+        return self.runner.model.config.vocab_size
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_event: Callable[[Event], None]) -> Request:
         """Queue a request; on_event is called from the engine thread with each Delta and the final Done."""
@@ -66,17 +73,32 @@ class Engine:
             req.cancelled = True
             self._wake.notify()
 
+    def cancel_all(self) -> None:
+        """Stop every request, queued or running (the server is shutting down); each ends with "cancelled"
+        at the next step."""
+        with self._wake:
+            for req in self._inbox:
+                req.cancelled = True
+            self._cancel_all = True  # the queues are the engine thread's: it cancels what they hold
+            self._wake.notify()
+
     def queue_depth(self) -> int:
         return len(self._inbox) + len(self.scheduler.waiting)
+
+    def waiting_for_slot(self) -> int:
+        """Queued requests that a free slot will not take at the next step (the others are as good as
+        running: a burst of requests passes through the queue on its way to idle slots)."""
+        return max(self.queue_depth() - self.runner.free_slots(), 0)
 
     def running(self) -> int:
         return len(self.scheduler.running)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10) -> None:
+        """Stop the engine thread, waiting at most `timeout` seconds for the step it is in."""
         with self._wake:
             self._stopped = True
             self._wake.notify()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=timeout)
 
     def _loop(self) -> None:
         while True:
@@ -86,6 +108,9 @@ class Engine:
                 if self._stopped:
                     break
                 inbox, self._inbox = self._inbox, []
+                cancel_all, self._cancel_all = self._cancel_all, False
+            for req in [*self.scheduler.waiting, *self.scheduler.running] if cancel_all else []:
+                req.cancelled = True
             for req in inbox:
                 self.scheduler.add(req, self.speculator)
             try:  # a failed pass ends only its own requests, inside step; this is for errors outside any pass

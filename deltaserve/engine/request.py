@@ -15,9 +15,11 @@ _ids = itertools.count()
 
 @dataclass
 class Delta:
-    """New text of a request (text that could still become a stop string is held back)."""
+    """New text of a request (text that could still become a stop string is held back), and the ids of the
+    tokens generated since the previous Delta."""
 
     text: str
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -53,7 +55,7 @@ class Request:
         self.generator = self.params.generator()
         self.decoder = self.tokenizer.stream()
         self.eos = set() if self.params.ignore_eos else self.tokenizer.eos_token_ids
-        self.text, self.sent = "", 0
+        self.text, self.sent, self.ids_sent = "", 0, 0
 
     @property
     def prefilling(self) -> bool:
@@ -64,17 +66,19 @@ class Request:
         if token in self.eos:
             return self.finish("stop")
         self.output_ids.append(token)
+        before = len(self.text)
         self.text += self.decoder.feed(token)
         stops = self.params.stop
-        hits = [i for i in (self.text.find(s) for s in stops) if i >= 0]
+        # the text before this token held no stop string, so a new one ends in the new text: searching only
+        # from there keeps the cost per token independent of the length of the output
+        hits = [i for i in (self.text.find(s, max(before - len(s) + 1, 0)) for s in stops) if i >= 0]
         if hits:
             self.text = self.text[:min(hits)]
             return self.finish("stop")
         if len(self.output_ids) >= self.params.max_tokens or room <= 0:
             self.text += self.decoder.flush()
             return self.finish("length")
-        held = max((n for s in stops for n in range(len(s) - 1, 0, -1) if self.text.endswith(s[:n])), default=0)
-        self._emit_until(len(self.text) - held)
+        self._emit_until(len(self.text) - max((_held(self.text, s) for s in stops), default=0))
         self.pending = token
 
     def finish(self, reason: str, error: str | None = None) -> None:
@@ -88,5 +92,17 @@ class Request:
 
     def _emit_until(self, end: int) -> None:
         if end > self.sent:
-            self.on_event(Delta(self.text[self.sent:end]))
-            self.sent = end
+            text, ids = self.text[self.sent:end], self.output_ids[self.ids_sent:]
+            self.sent, self.ids_sent = end, len(self.output_ids)
+            self.on_event(Delta(text, ids))
+
+
+def _held(text: str, stop: str) -> int:
+    """Length of the longest end of `text` that is a proper prefix of `stop`: text that may still become it."""
+    tail = text[max(len(text) - len(stop) + 1, 0):] if len(stop) > 1 else ""
+    i = tail.find(stop[0])
+    while i >= 0:  # the first candidate that matches is the longest
+        if stop.startswith(tail[i:]):
+            return len(tail) - i
+        i = tail.find(stop[0], i + 1)
+    return 0

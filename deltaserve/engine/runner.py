@@ -48,6 +48,11 @@ class ModelRunner:
         or a checkpoint of the prefix store). marks: positions to checkpoint on the way (CacheManager)."""
         return self.cache.acquire(prompt, marks=marks)
 
+    def rebuild(self, slot: int, tokens: list[int]) -> int:
+        """Set the reset slot `slot` (still held) up for `tokens` from the newest checkpoint on their path;
+        how many of them it now holds (at most all but the last)."""
+        return self.cache.acquire(tokens, slot=slot)[1]
+
     def release(self, slot: int, checkpoint: bool = False) -> None:
         self.cache.release(slot, checkpoint)
 

@@ -4,15 +4,17 @@ prefill chunks of waiting prompts up to a token budget. Requests join and leave 
 A request added with a Speculator decodes speculatively: its drafts are verified in one batched pass
 (rows padded to the longest draft; padding is never accepted) and each slot rolled back to what it kept.
 
-A pass that raises (the model, the sampler, a drafter, a cache restore) ends the requests it served with
-finish reason "error", and their slots start over; the other requests go on.
+A batched pass that raises (the model, a drafter) is run again for each of its requests alone, each slot
+first brought back to the tokens it held before the pass; a pass that raises for one request (alone, or
+in sampling, which is per request) ends that request with finish reason "error" and its slot starts
+over. So a request fails only by itself, and the other requests go on.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -27,6 +29,8 @@ log = logging.getLogger("deltaserve.engine")
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, prefill_chunk: int = 512):
+        if prefill_chunk < 1:  # a budget of 0 would leave every prompt waiting for ever
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.runner = runner
         self.prefill_chunk = prefill_chunk
         self.waiting: deque[Request] = deque()
@@ -41,6 +45,11 @@ class Scheduler:
         if len(req.prompt_ids) + 1 > self.runner.max_len:
             req.finish("error", f"the prompt has {len(req.prompt_ids)} tokens; the context holds "
                                 f"{self.runner.max_len}")
+            return
+        vocab = self.runner.model.config.vocab_size  # an id past the embedding would fail the whole batch
+        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            req.finish("error", f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
             return
         if speculator is not None:
             self.speculators[req] = speculator
@@ -74,27 +83,48 @@ class Scheduler:
         drafts = self._draft([r for r in batch if r in self.speculators])
         plain = [r for r in batch if r not in drafts and r.done is None]  # a failed draft ended its request
         if plain:
-            with self._serving(plain):
-                logits = self.runner.forward([r.slot for r in plain], [[r.pending] for r in plain])
-                self._take_samples(plain, logits)
+            self._batched(plain, self._decode_plain, self._decode_alone)
         if drafts:
-            with self._serving(list(drafts)):
-                self._verify(drafts)
+            self._batched(list(drafts), lambda reqs: self._verify({r: drafts[r] for r in reqs}), self._decode_alone)
+
+    def _decode_plain(self, reqs: list[Request]) -> None:
+        logits = self.runner.forward([r.slot for r in reqs], [[r.pending] for r in reqs])
+        self._take_samples(reqs, logits)
+
+    def _decode_alone(self, req: Request) -> None:
+        """After a batched pass over `req` failed: bring its slot back to the tokens it held before the pass
+        (the model may have written part of the pass to it, but the history records only completed passes)
+        from its newest checkpoint, prefill the rest, and decode its pending token alone, without a draft."""
+        tokens = [*self.runner.history[req.slot], req.pending]
+        self._reset_slots([req])
+        held = self.runner.rebuild(req.slot, tokens)
+        for start in range(held, len(tokens), self.prefill_chunk):
+            logits = self.runner.forward([req.slot], [tokens[start:start + self.prefill_chunk]])
+        self._take_samples([req], logits)
 
     def _draft(self, reqs: list[Request]) -> dict[Request, list[int]]:
         """Non-empty drafts of the requests that decode speculatively, each at most as long as its room,
         what it may still generate and its speculator's k allow."""
-        drafts = {}
+        drafts: dict[Request, list[int]] = {}
         for spec in dict.fromkeys(self.speculators[r] for r in reqs):
             mine = [r for r in reqs if self.speculators[r] is spec]
             ks = [min(spec.k, self.runner.room(r.slot) - 1, r.params.max_tokens - len(r.output_ids) - 1) for r in mine]
-            mine, ks = [r for r, k in zip(mine, ks) if k > 0], [k for k in ks if k > 0]
-            if not mine:
-                continue
-            with self._serving(mine):
-                proposed = spec.drafter.propose([r.slot for r in mine], [r.prompt_ids + r.output_ids for r in mine], ks)
-                drafts.update((r, d) for r, d in zip(mine, proposed) if d)
+            k_of = {r: k for r, k in zip(mine, ks) if k > 0}
+            if k_of:
+                self._batched(list(k_of), lambda batch, spec=spec: self._propose(spec, batch, k_of, drafts),
+                              lambda req, spec=spec: self._propose(spec, [req], k_of, drafts, reset=True))
         return drafts
+
+    @staticmethod
+    def _propose(spec: Speculator, reqs: list[Request], k_of: dict[Request, int], drafts: dict[Request, list[int]],
+                 reset: bool = False) -> None:
+        """Drafts for `reqs` into `drafts`. reset: after a failed batch, which may have written part of
+        the drafter's state for them."""
+        if reset:
+            spec.drafter.reset([r.slot for r in reqs])
+        proposed = spec.drafter.propose([r.slot for r in reqs], [r.prompt_ids + r.output_ids for r in reqs],
+                                        [k_of[r] for r in reqs])
+        drafts.update((r, d) for r, d in zip(reqs, proposed) if d)
 
     def _verify(self, drafts: dict[Request, list[int]]) -> None:
         reqs = list(drafts)
@@ -102,17 +132,21 @@ class Scheduler:
         rows = [[r.pending, *d] + [d[-1]] * (T - 1 - len(d)) for r, d in drafts.items()]
         logits = self.runner.verify([r.slot for r in reqs], rows)  # [N, T, V]
         for req, row_logits in zip(reqs, logits):
-            draft, spec = drafts[req], self.speculators[req]
-            tokens = accept(row_logits, draft, req.params, req.generator)
-            spec.proposed += len(draft)
-            spec.accepted += len(tokens) - 1
-            spec.steps += 1
-            start = len(self.runner.history[req.slot]) - T  # the slot's length before the pass
-            self.runner.rollback(req.slot, start + len(tokens))  # keeps [pending, accepted drafts]
-            for i, token in enumerate(tokens):  # room as plain decoding would see it after token i
-                req.add_token(token, room=self.runner.max_len - (start + 1 + i))
-                if req.done is not None:
-                    break
+            with self._serving([req]):
+                self._accept(req, drafts[req], row_logits, T)
+
+    def _accept(self, req: Request, draft: list[int], logits: torch.Tensor, T: int) -> None:
+        spec = self.speculators[req]
+        tokens = accept(logits, draft, req.params, req.generator)
+        spec.proposed += len(draft)
+        spec.accepted += len(tokens) - 1
+        spec.steps += 1
+        start = len(self.runner.history[req.slot]) - T  # the slot's length before the pass
+        self.runner.rollback(req.slot, start + len(tokens))  # keeps [pending, accepted drafts]
+        for i, token in enumerate(tokens):  # room as plain decoding would see it after token i
+            req.add_token(token, room=self.runner.max_len - (start + 1 + i))
+            if req.done is not None:
+                break
 
     def _prefill(self) -> None:
         budget = self.prefill_chunk
@@ -131,11 +165,36 @@ class Scheduler:
                         self._take_samples([req], logits)
 
     def _take_samples(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        for req, token in zip(reqs, tokens):
-            req.add_token(token, room=self.runner.room(req.slot))
+        """Sample and take a token for each request on its own: one that fails there fails alone, and the
+        others' generators advance exactly as they would have without it."""
+        for i, req in enumerate(reqs):
+            with self._serving([req]):
+                token = sample(logits[i:i + 1], [req.params], [req.generator])[0]
+                req.add_token(token, room=self.runner.room(req.slot))
 
     # ------------------------------------------------------------------ errors
+    def _batched(self, reqs: list[Request], run: Callable[[list[Request]], None],
+                 alone: Callable[[Request], None]) -> None:
+        """run(reqs), a pass over several requests. If it raises, no request has taken a token from it (what
+        follows the batched part is per request): each request runs `alone`, so one whose values or state
+        break the pass fails by itself."""
+        if len(reqs) == 1:
+            with self._serving(reqs):
+                run(reqs)
+            return
+        try:
+            run(reqs)
+            return
+        except Exception:
+            log.exception("a batched pass over requests %s failed; running each alone", [r.id for r in reqs])
+        except BaseException:
+            self._reset_slots(reqs)
+            raise
+        for req in reqs:
+            if req.done is None:
+                with self._serving([req]):
+                    alone(req)
+
     @contextmanager
     def _serving(self, reqs: list[Request]) -> Iterator[None]:
         """Run a pass for `reqs`. If it raises, they end with the error and their slots are reset, since the

@@ -142,7 +142,7 @@ def accept(logits: torch.Tensor, draft: list[int], params: SamplingParams, gener
     """The tokens verification produces: the accepted prefix of `draft`, then one token of the target's own.
     logits [>= len(draft) + 1, V] float32: row i is the target's prediction after the i-th token of
     [last token, *draft]."""
-    if params.temperature == 0:
+    if params.greedy:
         best = logits[:len(draft) + 1].argmax(-1).tolist()
         n = next((i for i, (d, b) in enumerate(zip(draft, best)) if d != b), len(draft))
         return draft[:n] + [best[n]]
@@ -159,5 +159,7 @@ def accept(logits: torch.Tensor, draft: list[int], params: SamplingParams, gener
             out.append(d)
             continue
         p[d] = 0  # rejected: draw from the rest of p
+        if not p.any():  # p was all on d, and float rounding rejected it: d is the only choice
+            return out + [d]
         return out + [int(torch.multinomial(p, 1, generator=generator))]
     return out + [int(torch.multinomial(target(len(draft)), 1, generator=generator))]

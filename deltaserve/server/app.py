@@ -1,95 +1,46 @@
-"""OpenAI-compatible HTTP API over the Engine, plus /health, /metrics and the chat page at /."""
+"""OpenAI-compatible HTTP API over the Engine, plus /health, /metrics and the chat page at /.
+
+No request can harm another: its values are validated (schemas), its body, prompt, stop strings and wait
+in the queue are bounded, its prompt is tokenised off the event loop, and the engine fails only the
+request whose pass fails. Every error is an OpenAI-style JSON body (errors)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import time
-import uuid
 from pathlib import Path
-from typing import Literal
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import HTMLResponse, PlainTextResponse
 
 from deltaserve.engine.engine import Engine
-from deltaserve.engine.request import Delta, Done
-from deltaserve.engine.sampling import SamplingParams
 from deltaserve.errors import DeltaserveError
 
+from . import errors
+from .errors import JSON, APIError, echo
+from .generation import SHUTTING_DOWN, Generation, Inflight
+from .middleware import Guard
+from .schemas import ChatBody, CompletionBody
+
 CHAT_PAGE = Path(__file__).with_name("chat.html")
+MAX_REQUEST_BYTES = 4 * 2**20  # a prompt filling a 256k-token context is about 1 MB of text
+# requests that may wait for a slot, per slot: a waiting request then starts within about two generations
+# (an unbounded queue let one client park any number of requests); beyond, 503 and Retry-After
+QUEUE_PER_SLOT = 2
+RETRY_AFTER_SECONDS = 1
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-
-def error_body(message: str, kind: str, param=None, code=None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-# ---------------------------------------------------------------------------- request bodies
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=0)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)
-    min_p: float = Field(default=0.0, ge=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: dict | None = None
-    n: int = Field(default=1, ge=1, le=1)
-
-
-class CompletionBody(_Body):
-    prompt: str | list[int]
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict] | None = None
-
-
-class ChatBody(_Body):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
-
-
-# ---------------------------------------------------------------------------- the app
-def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="deltaserve", docs_url=None, redoc_url=None)
-    tok = engine.tokenizer
-
-    @app.exception_handler(APIError)
-    async def _api_error(_, e: APIError):
-        return JSONResponse(error_body(e.message, e.kind, e.param, e.code), status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
-        return JSONResponse(error_body(message, "invalid_request_error", where or None), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_, e: StarletteHTTPException):
-        return JSONResponse(error_body(str(e.detail), "invalid_request_error"), status_code=e.status_code)
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path != "/health" and request.headers.get("authorization") != f"Bearer {api_key}":
-            return JSONResponse(error_body("invalid or missing API key (Authorization: Bearer KEY)",
-                                           "authentication_error", code="invalid_api_key"), status_code=401)
-        return await call_next(request)
+def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
+               max_queue: int | None = None) -> FastAPI:
+    """The API over `engine`; max_queue None: QUEUE_PER_SLOT per slot. app.state.inflight.shutdown() ends
+    every request in flight (on SIGTERM)."""
+    if max_queue is None:
+        max_queue = QUEUE_PER_SLOT * engine.runner.n_slots
+    app = FastAPI(title="deltaserve", docs_url=None, redoc_url=None, default_response_class=JSON)
+    inflight = Inflight(engine)
+    app.state.inflight = inflight
+    errors.install(app)
+    app.add_middleware(Guard, api_key=api_key, max_body=max_request_bytes, closing=lambda: inflight.closing)
+    prompts = Prompts(engine)
 
     @app.get("/health")
     async def health():
@@ -108,136 +59,101 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
     async def chat_page():
         return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"))
 
+    async def generate(request: Request, body: CompletionBody | ChatBody, ids: list[int], max_tokens: int | None,
+                       chat: bool):
+        params = body.sampling(_max_tokens(engine, ids, max_tokens, "messages" if chat else "prompt"))
+        if inflight.closing:  # it began while this prompt was being tokenised
+            raise APIError(503, SHUTTING_DOWN, kind="server_error", code="server_shutting_down")
+        if engine.waiting_for_slot() >= max_queue:
+            raise APIError(503, f"the server is busy: {max_queue} requests are already waiting for a slot; "
+                                f"retry later", kind="server_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        gen = Generation(engine, inflight, ids, params, chat=chat, token_ids=bool(body.return_token_ids),
+                         stream=bool(body.stream))
+        if body.stream:
+            return gen.stream(bool(body.stream_options and body.stream_options.include_usage))
+        return await gen.result(request)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
         _check_model(engine, body.model)
-        if isinstance(body.prompt, str):
-            ids = tok.encode(body.prompt)
-        else:
-            ids = body.prompt
-            vocab = engine.runner.model.config.vocab_size
-            if any(not 0 <= t < vocab for t in ids):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
-        return await _serve(engine, request, body, ids, body.max_tokens if body.max_tokens is not None else 16,
-                            chat=False)
+        ids = await prompts.completion(body.prompt)
+        return await generate(request, body, ids, 16 if body.max_tokens is None else body.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
         _check_model(engine, body.model)
-        messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
-        try:
-            prompt = tok.chat_prompt(messages)
-        except DeltaserveError as e:
-            raise APIError(400, f"messages: {e}", "messages") from None
+        ids = await prompts.chat([{"role": m.role, "content": m.content} for m in body.messages])
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await _serve(engine, request, body, tok.encode(prompt), max_tokens, chat=True)
+        return await generate(request, body, ids, max_tokens, chat=True)
 
     return app
 
 
-def _check_model(engine: Engine, name: str | None):
-    if name not in (None, "", engine.model_name):
-        raise APIError(404, f"the model '{name}' does not exist; this server serves '{engine.model_name}'",
-                       "model", "model_not_found")
+class Prompts:
+    """A request's prompt as token ids the model takes: tokenised in a worker thread (a long prompt does
+    not hold up the event loop's other requests), checked against the model's vocabulary and context."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.tok = engine, engine.tokenizer
+        # a token stands for at most `longest` bytes of text, so longer text cannot fit the context: it is
+        # refused without tokenising it (the tokenizer holds the GIL for about 1.5 s per MB)
+        longest = max((len(self.tok.token_bytes(i)) for i in range(self.tok.vocab_size)), default=1)
+        self.max_chars = engine.max_len * max(longest, 1)
+
+    async def completion(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self._checked(await asyncio.to_thread(self._encode, prompt, "prompt"), "prompt", tokenized=True)
+        return self._checked(prompt, "prompt", tokenized=False)
+
+    async def chat(self, messages: list[dict]) -> list[int]:
+        return self._checked(await asyncio.to_thread(self._render, messages), "messages", tokenized=True)
+
+    def _render(self, messages: list[dict]) -> list[int]:
+        try:
+            prompt = self.tok.chat_prompt(messages)
+        except DeltaserveError as e:
+            raise APIError(400, f"messages: {e}", "messages") from None
+        return self._encode(prompt, "messages")
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        if len(text) > self.max_chars:
+            raise APIError(400, f"the prompt has {len(text)} characters; this model's context of "
+                                f"{self.engine.max_len} tokens holds at most {self.max_chars}", param,
+                           "context_length_exceeded")
+        return self.tok.encode(text)
+
+    def _checked(self, ids: list[int], param: str, tokenized: bool) -> list[int]:
+        if not ids:
+            raise APIError(400, "the prompt is empty", param)
+        vocab = self.engine.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad and tokenized:  # the server's tokenizer knows ids the model does not: no client can fix that
+            raise APIError(400, f"the tokenizer gave token ids {bad[:5]}, outside this model's vocabulary "
+                                f"[0, {vocab}): its tokenizer does not match it", param, "token_out_of_range")
+        if bad:
+            raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {bad[:5]}", param,
+                           "token_out_of_range")
+        if len(ids) >= self.engine.max_len:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context holds "
+                                f"{self.engine.max_len}", param, "context_length_exceeded")
+        return ids
 
 
-def _text(content) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    return "".join(part.get("text", "") for part in content if part.get("type") == "text")
-
-
-async def _serve(engine: Engine, request: Request, body: _Body, ids: list[int], max_tokens: int | None, chat: bool):
-    if not ids:
-        raise APIError(400, "the prompt is empty", "messages" if chat else "prompt")
+def _max_tokens(engine: Engine, ids: list[int], max_tokens: int | None, param: str) -> int:
     room = engine.max_len - len(ids)
-    if room < 1:
-        raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context holds {engine.max_len}",
-                       "messages" if chat else "prompt", "context_length_exceeded")
     if max_tokens is None:
-        max_tokens = room
-    elif max_tokens > room:
+        return room
+    if max_tokens > room:
         raise APIError(400, f"max_tokens {max_tokens} plus the prompt's {len(ids)} tokens exceed this model's "
                             f"context of {engine.max_len} tokens", "max_tokens", "context_length_exceeded")
-    try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
-                                top_p=body.top_p, min_p=body.min_p, seed=body.seed,
-                                stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []))
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
-
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    req = engine.submit(ids, params, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    created = int(time.time())
-    if body.stream:
-        usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(_sse(engine, req, queue, rid, created, chat, usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    try:
-        while True:
-            try:
-                event = await asyncio.wait_for(queue.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    engine.cancel(req)
-                    return JSONResponse({}, status_code=499)
-                continue
-            if isinstance(event, Done):
-                break
-    except asyncio.CancelledError:
-        engine.cancel(req)
-        raise
-    if event.reason == "error":
-        raise APIError(500, event.error or "internal error", kind="server_error")
-    choice = ({"index": 0, "message": {"role": "assistant", "content": event.text}} if chat
-              else {"index": 0, "text": event.text, "logprobs": None})
-    choice["finish_reason"] = event.reason
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": engine.model_name, "choices": [choice], "usage": _usage(event)}
+    return max_tokens
 
 
-async def _sse(engine: Engine, req, queue: asyncio.Queue, rid: str, created: int, chat: bool, include_usage: bool):
-    kind = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(delta_text: str | None, finish=None, role=False):
-        if chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": delta_text} if delta_text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
-        body = {"id": rid, "object": kind, "created": created, "model": engine.model_name, "choices": [choice]}
-        if include_usage:
-            body["usage"] = None
-        return f"data: {json.dumps(body)}\n\n"
-
-    try:
-        if chat:
-            yield chunk(None, role=True)
-        while True:
-            event = await queue.get()
-            if isinstance(event, Delta):
-                yield chunk(event.text)
-                continue
-            if event.reason == "error":
-                yield f"data: {json.dumps(error_body(event.error or 'internal error', 'server_error'))}\n\n"
-            else:
-                yield chunk(None, finish=event.reason)
-            if include_usage:
-                body = {"id": rid, "object": kind, "created": created, "model": engine.model_name, "choices": [],
-                        "usage": _usage(event)}
-                yield f"data: {json.dumps(body)}\n\n"
-            yield "data: [DONE]\n\n"
-            return
-    finally:  # the client went away (or we are done): free the slot
-        if req.done is None:
-            engine.cancel(req)
-
-
-def _usage(done: Done) -> dict:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens}
+def _check_model(engine: Engine, name: str | None):
+    if name not in (None, "", engine.model_name):
+        raise APIError(404, f"the model '{echo(name)}' does not exist; this server serves '{engine.model_name}'",
+                       "model", "model_not_found")
 
 
 def _prometheus(engine: Engine) -> str:

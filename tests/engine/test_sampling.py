@@ -61,3 +61,42 @@ def test_bad_params_raise(kwargs):
         SamplingParams(**kwargs)
 
 
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
+    (1e-40, 0, 1.0, 0.0), (5e-324, 0, 1.0, 0.0), (1e-6, 0, 0.5, 0.0), (1.0, 0, 5e-324, 0.0), (1.0, 0, 1e-40, 0.0),
+    (2.0, 0, 1.0, 5e-324), (2.0, 0, 1.0, 1.0), (2.0, 10**30, 1.0, 0.0), (1e-300, 1, 5e-324, 1.0),
+], ids=["temp_1e-40", "temp_denormal", "temp_below_greedy", "top_p_denormal", "top_p_tiny", "min_p_denormal",
+        "min_p_one", "top_k_huge", "all_extreme"])
+def test_extreme_values_give_a_token(temperature, top_k, top_p, min_p):
+    """Any value SamplingParams accepts gives a valid token; settings that leave one candidate give the top."""
+    logits = torch.randn(4, 50) * 30
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=3)
+    tokens = sample(logits, [params] * 4, [params.generator() for _ in range(4)])
+    assert all(0 <= t < 50 for t in tokens)
+    if temperature < 1e-5 or top_p < 1e-30 or min_p == 1.0:
+        assert tokens == logits.argmax(-1).tolist()
+    logp = filter_logits(logits[0], temperature, top_k, top_p, min_p)
+    assert not logp.isnan().any() and logp.isfinite().any() and (logp <= 0).all()  # min_p does not renormalise
+
+
+def test_a_temperature_below_the_greedy_threshold_is_greedy():
+    assert SamplingParams(temperature=9.9e-6).greedy and not SamplingParams(temperature=1e-5).greedy
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=float("inf")), dict(temperature=float("nan")),
+                                    dict(top_p=float("nan")), dict(min_p=float("nan")), dict(top_k=True),
+                                    dict(max_tokens=2.5), dict(seed=2**64), dict(seed=-2**63 - 1),
+                                    dict(seed=1.5)],
+                         ids=["temp_inf", "temp_nan", "top_p_nan", "min_p_nan", "top_k_bool", "max_tokens_float",
+                              "seed_big", "seed_small", "seed_float"])
+def test_non_finite_or_out_of_range_values_raise(kwargs):
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_seeds_at_both_ends_of_the_range_seed_the_generator():
+    for seed in (-2**63, 2**64 - 1):
+        p = SamplingParams(seed=seed)
+        assert torch.rand(3, generator=p.generator()).equal(torch.rand(3, generator=p.generator()))

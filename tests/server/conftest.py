@@ -1,4 +1,7 @@
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,13 +16,17 @@ from deltaserve.server.app import create_app
 API_KEY = "test-key"
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class LiveServer:
     """uvicorn on a free loopback port, in a thread; stopped at the end of the session."""
 
     def __init__(self, app):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -58,3 +65,69 @@ def secured_server(engine):
     live = LiveServer(create_app(engine, api_key=API_KEY))
     yield live
     live.stop()
+
+
+@pytest.fixture
+def make_server(engine):
+    """make_server(**create_app options) -> a LiveServer over the shared engine, stopped after the test."""
+    made = []
+
+    def make(**options) -> LiveServer:
+        made.append(LiveServer(create_app(engine, **options)))
+        return made[-1]
+
+    yield make
+    for live in made:
+        live.stop()
+
+
+def settled(engine, seconds: float = 30) -> bool:
+    """Whether the engine holds no request (running or queued) within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while engine.running() or engine.queue_depth():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def assert_error(response, status: int, param: str | None = "", fragment: str = ""):
+    """An OpenAI-style error body with `status` (and `param` unless ""), its message holding `fragment`."""
+    assert response.status_code == status, response.text[:500]
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str) and isinstance(body["error"]["type"], str)
+    assert fragment in body["error"]["message"], body
+    if param != "":
+        assert body["error"]["param"] == param, body
+    return body["error"]
+
+
+@pytest.fixture
+def spawn(tiny_gguf):
+    """spawn(*serve options) -> (process, url) of `deltaserve serve` on the tiny model in its own process
+    (its event loop shares no GIL with the test's clients), answering /health; killed at the end of the
+    test if it still runs."""
+    procs = []
+
+    def start(*options: str):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "deltaserve.cli", "serve", str(tiny_gguf), "--port", str(port),
+                                 "-t", "2", *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "DELTASERVE_NO_PROGRESS": "1"})
+        procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    return proc, url
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError(f"the server did not start: {proc.stderr.read() if proc.poll() is not None else ''}")
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()

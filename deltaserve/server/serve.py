@@ -1,0 +1,32 @@
+"""The server process: uvicorn over the app, with a shutdown bounded in time.
+
+On SIGINT or SIGTERM the server stops taking requests and ends each one in flight at once with a final
+event (a stream: an error event, then [DONE]; a waiting request: a 503), so its connections close and
+the process exits within a few seconds instead of waiting for every generation to finish. A second
+signal exits without waiting for anything."""
+
+from __future__ import annotations
+
+import uvicorn
+from fastapi import FastAPI
+
+GRACE_SECONDS = 3.0  # after which uvicorn cancels what still runs (a client that does not read its stream)
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, on_exit):
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.should_exit:  # uvicorn forces its exit on a second SIGINT only; SIGTERM too here
+            self.force_exit = True
+        else:
+            self.on_exit()
+        super().handle_exit(sig, frame)
+
+
+def serve(app: FastAPI, host: str, port: int) -> None:
+    """Serve `app` (made by create_app) until a signal; returns once the server has shut down."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=GRACE_SECONDS)
+    _Server(config, app.state.inflight.shutdown).run()
