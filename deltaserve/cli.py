@@ -158,20 +158,26 @@ def cmd_serve(args):
     name = args.served_model_name or Path(args.model or DEFAULT_MODEL).stem
     engine = Engine(model, tokenizer, n_slots=args.slots, max_len=args.ctx_size, prefill_chunk=args.chunk_size,
                     model_name=name, cache_budget_mb=args.cache_mb, speculative=args.spec, spec_tokens=args.spec_tokens)
+    if args.cache_dir:
+        n = engine.runner.cache.load_checkpoints(args.cache_dir, model)
+        print(f"deltaserve: {n} prefix checkpoints loaded from {args.cache_dir}", file=sys.stderr)
     app = create_app(engine, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                      max_queue=args.max_queue)
     print(f"deltaserve: serving {name} on http://{args.host}:{args.port} (chat page at /)", file=sys.stderr)
     try:
         serve(app, args.host, args.port)
     finally:  # every request was cancelled at the signal: the engine ends its step and stops
-        engine.close(timeout=1)
+        stopped = engine.close(timeout=1 if not args.cache_dir else 10)
+        if args.cache_dir and stopped:  # (only once the engine thread stopped: the checkpoints stand still)
+            engine.runner.cache.save_checkpoints(args.cache_dir, model)
+            print(f"deltaserve: prefix checkpoints saved in {args.cache_dir}", file=sys.stderr)
 
 
 def cmd_bench(args):
-    if args.model == "ops":
-        from deltaserve.bench import ops
+    if args.model in ("ops", "session"):
+        from deltaserve.bench import ops, session
 
-        ops.main(args.rest)
+        (ops if args.model == "ops" else session).main(args.rest)
         return
     from deltaserve.bench import compare
 
@@ -222,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="model id in the API (default: the file name)")
     serve.add_argument("--max-request-bytes", type=_int(1), default=MAX_REQUEST_BYTES,
                        help="largest request body; larger ones get 413 (default 4 MiB)")
+    serve.add_argument("--cache-dir", default=None,
+                       help="keep the prefix checkpoints in this folder across restarts (loaded at start, saved "
+                            "at shutdown; files of another model, or damaged, are ignored with a warning)")
     serve.add_argument("--max-queue", type=_int(0), default=None,
                        help="requests that may wait for a slot; more get 503 with Retry-After (default: twice --slots)")
     serve.set_defaults(fn=cmd_serve)
@@ -230,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="'deltaserve bench MODEL.gguf [--against llama.cpp]' measures prefill and "
                                        "decode tokens/s and peak memory; 'deltaserve bench ops' the kernels. "
                                        "Add --help after MODEL or ops for their options.")
-    bench.add_argument("model", help="a GGUF file, or 'ops' for the gated-delta-rule kernels")
+    bench.add_argument("model", help="a GGUF file, 'ops' for the gated-delta-rule kernels, or 'session' for a "
+                                     "multi-turn conversation beside llama-server ('bench session MODEL')")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
     bench.set_defaults(fn=cmd_bench)
 

@@ -145,8 +145,9 @@ class CacheManager:
         for s, t in zip(slots, tokens):
             self.history[s].extend(t)
             at = len(self.history[s])
-            spaced = at % self.interval == 0 and self._spaced(s, at)
-            if checkpoint and self.store is not None and (spaced or at in self._wanted[s]):
+            if not checkpoint or self.store is None:
+                continue
+            if (at % self.interval == 0 and self._spaced(s, at)) or at in self._wanted[s]:
                 self._wanted[s].discard(at)
                 self._checkpoint(s)
 

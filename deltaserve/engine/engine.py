@@ -27,6 +27,7 @@ class Metrics:
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
+    cached_tokens_total: int = 0  # prompt tokens of finished requests served from the cache
 
 
 class Engine:
@@ -58,9 +59,11 @@ class Engine:
         """Rows of the model's embedding: prompt token ids must be below it, whatever the tokenizer holds."""
         return self.runner.model.config.vocab_size
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, on_event: Callable[[Event], None]) -> Request:
-        """Queue a request; on_event is called from the engine thread with each Delta and the final Done."""
-        req = Request(prompt_ids, params, self.tokenizer, on_event=on_event)
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_event: Callable[[Event], None],
+               marks: tuple[int, ...] = (), cache_prompt: bool = True) -> Request:
+        """Queue a request; on_event is called from the engine thread with each Delta and the final Done.
+        marks: prompt positions to checkpoint; cache_prompt=False: prefill the whole prompt anew."""
+        req = Request(prompt_ids, params, self.tokenizer, on_event=on_event, marks=marks, cache_prompt=cache_prompt)
         with self._wake:
             self._inbox.append(req)
             self.metrics.requests_total += 1
@@ -93,12 +96,13 @@ class Engine:
     def running(self) -> int:
         return len(self.scheduler.running)
 
-    def close(self, timeout: float = 10) -> None:
-        """Stop the engine thread, waiting at most `timeout` seconds for the step it is in."""
+    def close(self, timeout: float = 10) -> bool:
+        """Stop the engine thread, waiting at most `timeout` seconds for the step it is in; whether it stopped."""
         with self._wake:
             self._stopped = True
             self._wake.notify()
         self._thread.join(timeout=timeout)
+        return not self._thread.is_alive()
 
     def _loop(self) -> None:
         while True:
@@ -149,4 +153,5 @@ class _TimedScheduler(Scheduler):
                 self.metrics.requests_finished += 1
                 self.metrics.prompt_tokens_total += len(req.prompt_ids)
                 self.metrics.generated_tokens_total += len(req.output_ids)
+                self.metrics.cached_tokens_total += req.cached
         super()._drop_finished()

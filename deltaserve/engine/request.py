@@ -32,6 +32,7 @@ class Done:
     text: str
     token_ids: list[int]
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens served from the slot's live state or a checkpoint
 
 
 Event = Delta | Done
@@ -43,9 +44,12 @@ class Request:
     params: SamplingParams
     tokenizer: Tokenizer
     on_event: Callable[[Event], None] = lambda event: None
+    marks: tuple[int, ...] = ()  # prompt positions to checkpoint (where a later turn may leave this prompt)
+    cache_prompt: bool = True  # reuse cached prompt tokens (live state, checkpoints)
     id: int = field(default_factory=lambda: next(_ids))
     slot: int | None = None
     n_fed: int = 0  # prompt tokens already in the slot's state
+    cached: int = 0  # of them, those the slot held when the request was admitted
     pending: int | None = None  # the last sampled token, not yet fed
     output_ids: list[int] = field(default_factory=list)
     done: Done | None = None
@@ -86,7 +90,8 @@ class Request:
             return
         self.pending = None
         # done before any event goes out: a handler that raises cannot leave the request running
-        self.done = Done(reason, len(self.prompt_ids), len(self.output_ids), self.text, self.output_ids, error)
+        self.done = Done(reason, len(self.prompt_ids), len(self.output_ids), self.text, self.output_ids, error,
+                         self.cached)
         self._emit_until(len(self.text))
         self.on_event(self.done)
 

@@ -71,7 +71,11 @@ class Scheduler:
                 self.speculators.pop(req, None)
                 continue
             with self._serving([req]):
-                req.slot, req.n_fed = self.runner.acquire(req.prompt_ids)
+                req.slot, req.n_fed = self.runner.acquire(req.prompt_ids, req.marks)
+                if not req.cache_prompt and req.n_fed:
+                    self.runner.reset(req.slot)
+                    req.n_fed = 0
+                req.cached = req.n_fed
                 self.running.append(req)
             if req.done is not None:  # the slot could not be set up: it never ran
                 self.speculators.pop(req, None)
@@ -247,7 +251,7 @@ class Scheduler:
                 req.finish("cancelled")
             if req.done is None:
                 keep.append(req)
-            else:
-                self.runner.release(req.slot)
+            else:  # a finished answer's end is where its conversation comes back: checkpoint it
+                self.runner.release(req.slot, checkpoint=req.done.reason in ("stop", "length"))
                 self.speculators.pop(req, None)
         self.running = keep

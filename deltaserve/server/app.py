@@ -60,7 +60,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
         return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"))
 
     async def generate(request: Request, body: CompletionBody | ChatBody, ids: list[int], max_tokens: int | None,
-                       chat: bool):
+                       chat: bool, marks: tuple[int, ...]):
         params = body.sampling(_max_tokens(engine, ids, max_tokens, "messages" if chat else "prompt"))
         if inflight.closing:  # it began while this prompt was being tokenised
             raise APIError(503, SHUTTING_DOWN, kind="server_error", code="server_shutting_down")
@@ -69,7 +69,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
                                 f"retry later", kind="server_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         gen = Generation(engine, inflight, ids, params, chat=chat, token_ids=bool(body.return_token_ids),
-                         stream=bool(body.stream))
+                         stream=bool(body.stream), marks=marks, cache_prompt=body.cache_prompt is not False)
         if body.stream:
             return gen.stream(bool(body.stream_options and body.stream_options.include_usage))
         return await gen.result(request)
@@ -78,14 +78,16 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
     async def completions(body: CompletionBody, request: Request):
         _check_model(engine, body.model)
         ids = await prompts.completion(body.prompt)
-        return await generate(request, body, ids, 16 if body.max_tokens is None else body.max_tokens, chat=False)
+        return await generate(request, body, ids, 16 if body.max_tokens is None else body.max_tokens, chat=False,
+                              marks=(len(ids),))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
         _check_model(engine, body.model)
-        ids = await prompts.chat([{"role": m.role, "content": m.content} for m in body.messages])
+        ids, reply_start = await prompts.chat([{"role": m.role, "content": m.content} for m in body.messages])
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await generate(request, body, ids, max_tokens, chat=True)
+        # checkpoints where the next turn's prompt leaves this one, and at its end
+        return await generate(request, body, ids, max_tokens, chat=True, marks=(reply_start, len(ids)))
 
     return app
 
@@ -106,15 +108,17 @@ class Prompts:
             return self._checked(await asyncio.to_thread(self._encode, prompt, "prompt"), "prompt", tokenized=True)
         return self._checked(prompt, "prompt", tokenized=False)
 
-    async def chat(self, messages: list[dict]) -> list[int]:
-        return self._checked(await asyncio.to_thread(self._render, messages), "messages", tokenized=True)
+    async def chat(self, messages: list[dict]) -> tuple[list[int], int]:
+        """The chat prompt's ids, and how many of them a later turn's prompt shares (Tokenizer.reply_start)."""
+        ids, start = await asyncio.to_thread(self._render, messages)
+        return self._checked(ids, "messages", tokenized=True), start
 
-    def _render(self, messages: list[dict]) -> list[int]:
+    def _render(self, messages: list[dict]) -> tuple[list[int], int]:
         try:
-            prompt = self.tok.chat_prompt(messages)
+            ids = self._encode(self.tok.chat_prompt(messages), "messages")
+            return ids, self.tok.reply_start(messages, ids)
         except DeltaserveError as e:
             raise APIError(400, f"messages: {e}", "messages") from None
-        return self._encode(prompt, "messages")
 
     def _encode(self, text: str, param: str) -> list[int]:
         if len(text) > self.max_chars:
@@ -157,7 +161,7 @@ def _check_model(engine: Engine, name: str | None):
 
 
 def _prometheus(engine: Engine) -> str:
-    m = engine.metrics
+    m, cache = engine.metrics, engine.runner.cache
     rows = [
         ("requests_total", "counter", "requests received", m.requests_total),
         ("requests_finished_total", "counter", "requests finished (any reason)", m.requests_finished),
@@ -170,6 +174,11 @@ def _prometheus(engine: Engine) -> str:
         ("queue_depth", "gauge", "requests waiting for a slot", engine.queue_depth()),
         ("running_requests", "gauge", "requests holding a slot", engine.running()),
         ("cache_bytes", "gauge", "bytes of per-slot state and prefix checkpoints", engine.runner.cache.nbytes()),
+        ("cache_checkpoint_bytes", "gauge", "bytes of prefix checkpoints", cache.store.nbytes if cache.store else 0),
+        ("cache_checkpoints", "gauge", "prefix checkpoints held", cache.store.checkpoints if cache.store else 0),
+        ("cache_hits_total", "counter", "prompts that restored a checkpoint", cache.hits),
+        ("cached_prompt_tokens_total", "counter", "prompt tokens served from live state or checkpoints",
+         m.cached_tokens_total),
     ]
     out = []
     for name, kind, help_text, value in rows:

@@ -57,7 +57,7 @@ class Generation:
     """One submitted request: what the routes need to wait for it or stream it."""
 
     def __init__(self, engine: Engine, inflight: Inflight, ids: list[int], params: SamplingParams, *, chat: bool,
-                 token_ids: bool, stream: bool):
+                 token_ids: bool, stream: bool, marks: tuple[int, ...] = (), cache_prompt: bool = True):
         """stream: the Deltas are wanted; without it only the Done crosses to the event loop, so that the
         wait for it times out, and checks the connection, every POLL_SECONDS."""
         self.engine, self.inflight, self.chat, self.token_ids = engine, inflight, chat, token_ids
@@ -68,7 +68,7 @@ class Generation:
             if stream or isinstance(event, Done):
                 loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
-        self.req = engine.submit(ids, params, on_event)
+        self.req = engine.submit(ids, params, on_event, marks=marks, cache_prompt=cache_prompt)
         inflight.loop = loop
         inflight.queues.add(self.queue)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -189,7 +189,8 @@ class _Stream(StreamingResponse):
 
 def usage(done: Done) -> dict:
     return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens}
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
 
 def _sse(body: dict) -> str:

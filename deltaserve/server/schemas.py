@@ -47,6 +47,7 @@ class _Body(BaseModel):
     n: int | None = Field(default=1, ge=1, le=1)
     return_token_ids: bool | None = False  # vLLM's extension: the generated ids in each choice and chunk
     ignore_eos: bool | None = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
+    cache_prompt: bool | None = True  # llama-server's: False prefills the whole prompt, reusing nothing
 
     @field_validator("stop", mode="before")
     @classmethod

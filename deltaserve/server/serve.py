@@ -7,6 +7,9 @@ signal exits without waiting for anything."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import uvicorn
 from fastapi import FastAPI
 
@@ -27,6 +30,19 @@ class _Server(uvicorn.Server):
 
 
 def serve(app: FastAPI, host: str, port: int) -> None:
-    """Serve `app` (made by create_app) until a signal; returns once the server has shut down."""
+    """Serve `app` (made by create_app) until a signal; returns once the server has shut down (SIGINT as
+    KeyboardInterrupt, SIGTERM as SystemExit), so the caller's cleanup runs; after a second signal the
+    process exits at once."""
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=GRACE_SECONDS)
-    _Server(config, app.state.inflight.shutdown).run()
+    server = _Server(config, app.state.inflight.shutdown)
+
+    def terminated(sig, frame):  # uvicorn raises the signal it caught again once it has shut down
+        if server.force_exit:
+            os._exit(128 + sig)
+        raise SystemExit(128 + sig)  # not SIGTERM's default action, which would skip the caller's cleanup
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)

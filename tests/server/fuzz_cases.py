@@ -9,8 +9,11 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from deltaserve.convert.presets import train_tokenizer
+
 LIMIT = 4 * 2**20  # the default --max-request-bytes
-VOCAB, CONTEXT = 823, 512  # the tiny test model, as the session's engine serves it
+VOCAB = train_tokenizer().vocab_size  # the tiny test model's (make_model sizes it to its tokenizer)
+CONTEXT = 512  # as the session's engine serves it
 PROMPTS = ["To be, or not to be", "Hello there", "ROMEO:", "A tale of two cities"]
 SEED_MIN, SEED_MAX = -2**63, 2**64 - 1
 
