@@ -13,18 +13,16 @@ import codecs
 import json
 import warnings
 from array import array
-from datetime import datetime
 from pathlib import Path
 from typing import Iterable
 
 import jinja2
-import jinja2.ext
 from gguf import GGUFWriter, TokenType
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as _Backend
 
-from deltaserve.errors import DeltaserveError, ModelLoadError
+from deltaserve.errors import ChatTemplateError, DeltaserveError, ModelLoadError
+from deltaserve.loader.chat_template import compile_chat_template
 
 # llama.cpp's word splits (src/llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_QWEN2 and _QWEN35). They spell
 # the contractions out where Qwen's tokenizer.json has (?i:'s|'t|...). qwen35 keeps combining marks
@@ -72,6 +70,8 @@ def bytes_to_unicode() -> dict[int, str]:
 _TO_BYTE = {ord(c): b for b, c in bytes_to_unicode().items()}
 _TO_BYTE.update({c: 0x100 for c in range(256) if c not in _TO_BYTE})
 _AS_TEXT = (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)
+_TEMPLATE_FAILURES = (jinja2.TemplateError, ArithmeticError, LookupError, TypeError, ValueError, AttributeError,
+                      RecursionError)
 
 
 def _token_bytes(text: str, kind: int) -> bytes:
@@ -263,8 +263,10 @@ class Tokenizer:
         try:
             return self._template[1].render({**context, **kwargs, "messages": messages,
                                              "add_generation_prompt": add_generation_prompt})
-        except jinja2.TemplateError as error:
-            raise DeltaserveError(f"chat template failed: {error}") from error
+        except ChatTemplateError:
+            raise
+        except _TEMPLATE_FAILURES as error:  # the template is code from the checkpoint: any failure is its own
+            raise ChatTemplateError(f"chat template failed: {type(error).__name__}: {error}") from error
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -427,18 +429,6 @@ def _read_json(path: Path) -> dict:
 
 
 def _compile_template(source: str) -> jinja2.Template:
-    """The environment transformers renders chat templates in (trim_blocks, lstrip_blocks)."""
-    def raise_exception(message):
-        raise jinja2.TemplateError(message)
-
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # jinja's own tojson escapes HTML characters, which chat templates do not want
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as error:
-        raise DeltaserveError(f"chat template does not parse: {error} (line {error.lineno})") from error
+    """The environment transformers renders chat templates in (sandboxed, trim_blocks, lstrip_blocks), with
+    each render bounded in time, loop iterations and text (see deltaserve.loader.chat_template)."""
+    return compile_chat_template(source)
