@@ -13,3 +13,8 @@ class ModelLoadError(DeltaserveError, ValueError):
         self.path, self.problem, self.tensor = str(path), problem, tensor
         where = f"{self.path}: tensor '{tensor}'" if tensor else self.path
         super().__init__(f"{where}: {problem}")
+
+
+class ChatTemplateError(DeltaserveError):
+    """A chat template (code that ships inside a checkpoint) failed or went past its budget of time, loop
+    iterations or text while rendering a request: the request is refused (HTTP 400), the process goes on."""

@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import codecs
 import json
+import warnings
 from array import array
-from datetime import datetime
 from pathlib import Path
 from typing import Iterable
 
 import jinja2
-import jinja2.ext
 from gguf import GGUFWriter, TokenType
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as _Backend
 
-from deltaserve.errors import DeltaserveError, ModelLoadError
+from deltaserve.errors import ChatTemplateError, DeltaserveError, ModelLoadError
+from deltaserve.loader.chat_template import compile_chat_template
 
 # llama.cpp's word splits (src/llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_QWEN2 and _QWEN35). They spell
 # the contractions out where Qwen's tokenizer.json has (?i:'s|'t|...). qwen35 keeps combining marks
@@ -35,6 +34,16 @@ PRE_TOKENIZER_REGEX = {
     "qwen35": _CONTRACTIONS
     + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
+
+# llama.cpp's splits for a GGUF that names no pre-tokenizer (LLAMA_VOCAB_PRE_TYPE_DEFAULT): four expressions,
+# each splitting the pieces the one before it left.
+DEFAULT_PRE_TOKENIZER = (
+    r"[\p{P}\$\+<=>\^~\|]+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+    r"\p{N}+",
+    r"[0-9][0-9][0-9]",
+)
+_TOKEN_TYPES = range(0, max(TokenType) + 1)  # llama.cpp's LLAMA_TOKEN_TYPE_UNDEFINED (0) .. BYTE (6)
 
 # Tokens that end generation when the vocabulary has them, as llama.cpp decides (its EOG set).
 END_OF_GENERATION = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>",
@@ -61,6 +70,8 @@ def bytes_to_unicode() -> dict[int, str]:
 _TO_BYTE = {ord(c): b for b, c in bytes_to_unicode().items()}
 _TO_BYTE.update({c: 0x100 for c in range(256) if c not in _TO_BYTE})
 _AS_TEXT = (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)
+_TEMPLATE_FAILURES = (jinja2.TemplateError, ArithmeticError, LookupError, TypeError, ValueError, AttributeError,
+                      RecursionError)
 
 
 def _token_bytes(text: str, kind: int) -> bytes:
@@ -75,11 +86,12 @@ def _token_bytes(text: str, kind: int) -> bytes:
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    if pre not in PRE_TOKENIZER_REGEX:
-        known = ", ".join(PRE_TOKENIZER_REGEX)
+    if pre != "default" and pre not in PRE_TOKENIZER_REGEX:
+        known = ", ".join([*PRE_TOKENIZER_REGEX, "default"])
         raise DeltaserveError(f"tokenizer.ggml.pre '{pre}' is not supported (known: {known})")
+    regexes = DEFAULT_PRE_TOKENIZER if pre == "default" else [PRE_TOKENIZER_REGEX[pre]]
     return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRE_TOKENIZER_REGEX[pre]), behavior="isolated"),
+        *(pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in regexes),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
     ])
 
@@ -124,30 +136,35 @@ class Tokenizer:
     # -- construction --------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf_metadata(cls, metadata: dict) -> Tokenizer:
-        """From GGUF key/values as Python values (`tokenizer.ggml.tokens` a list of str, ...)."""
+    def from_gguf_metadata(cls, metadata: dict, source: str = "GGUF metadata") -> Tokenizer:
+        """From GGUF key/values as Python values (`tokenizer.ggml.tokens` a list of str, ...). Every array is
+        checked (types, lengths, merges of known tokens) and a bad one is a ModelLoadError naming `source`
+        (the file), the key and the entry."""
         def get(key, default=None):
             return metadata.get("tokenizer.ggml." + key, default)
 
         model = get("model")
         if model != "gpt2":
-            raise DeltaserveError(f"tokenizer.ggml.model '{model}' is not supported (only 'gpt2', byte-level BPE)")
+            raise ModelLoadError(source, f"tokenizer.ggml.model {model!r} is not supported (only 'gpt2', byte-level BPE)")
         pre = get("pre")
-        pre_tokenizer = _pre_tokenizer(pre)
-        tokens, merges = [str(t) for t in get("tokens", [])], [str(m) for m in get("merges", [])]
-        if not tokens or not merges:
-            raise DeltaserveError("GGUF metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
-        types = [int(t) for t in get("token_type", [TokenType.NORMAL] * len(tokens))]
-        if len(types) != len(tokens):
-            raise DeltaserveError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+        if pre is None:  # as llama.cpp does, with its warning
+            warnings.warn(f"{source}: tokenizer.ggml.pre is missing; splitting words with llama.cpp's 'default' "
+                          "pre-tokenizer (generation quality may suffer: reconvert the model)", stacklevel=2)
+            pre = "default"
+        if not isinstance(pre, str) or (pre != "default" and pre not in PRE_TOKENIZER_REGEX):
+            known = ", ".join([*PRE_TOKENIZER_REGEX, "default"])
+            raise ModelLoadError(source, f"tokenizer.ggml.pre {pre!r} is not supported (known: {known})")
+        tokens, types, merges = _gguf_vocabulary(metadata, source)
         vocab = {t: i for i, t in enumerate(tokens)}
         if len(vocab) != len(tokens):
             dup = next(t for i, t in enumerate(tokens) if vocab[t] != i)
-            raise DeltaserveError(f"tokenizer.ggml.tokens has '{dup}' twice")
-        # llama.cpp splits "a b" at the first space after the first character.
-        pairs = [(m[:cut], m[cut + 1:]) for m in merges if (cut := m.find(" ", 1)) > 0]
-        backend = _Backend(models.BPE(vocab=vocab, merges=pairs))
-        backend.pre_tokenizer, backend.decoder = pre_tokenizer, decoders.ByteLevel()
+            raise ModelLoadError(source, f"tokenizer.ggml.tokens has '{dup}' twice")
+        pairs = _merge_pairs(merges, vocab, source)
+        try:
+            backend = _Backend(models.BPE(vocab=vocab, merges=pairs))
+        except Exception as error:  # the Rust side raises plain Exception
+            raise ModelLoadError(source, f"tokenizers cannot build the vocabulary: {error}") from None
+        backend.pre_tokenizer, backend.decoder = _pre_tokenizer(pre), decoders.ByteLevel()
         # Every id keeps its GGUF position: the added tokens already sit in the BPE vocabulary.
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                     for t, k in zip(tokens, types) if k in (TokenType.CONTROL, TokenType.UNKNOWN)])
@@ -156,11 +173,11 @@ class Tokenizer:
 
         def token_id(key):
             value = get(key)
-            return None if value is None or not 0 <= int(value) < len(tokens) else int(value)
+            return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(tokens) else None
 
         return cls(backend, tokens, types, eos_token_id=token_id("eos_token_id"),
                    bos_token_id=token_id("bos_token_id"), pad_token_id=token_id("padding_token_id"),
-                   add_bos=bool(get("add_bos_token", False)), chat_template=metadata.get("tokenizer.chat_template"),
+                   add_bos=get("add_bos_token") is True, chat_template=_template_text(metadata, source),
                    extra_eos_ids=[i for i in [token_id("eot_token_id")] if i is not None], pre=pre)
 
     @classmethod
@@ -246,8 +263,10 @@ class Tokenizer:
         try:
             return self._template[1].render({**context, **kwargs, "messages": messages,
                                              "add_generation_prompt": add_generation_prompt})
-        except jinja2.TemplateError as error:
-            raise DeltaserveError(f"chat template failed: {error}") from error
+        except ChatTemplateError:
+            raise
+        except _TEMPLATE_FAILURES as error:  # the template is code from the checkpoint: any failure is its own
+            raise ChatTemplateError(f"chat template failed: {type(error).__name__}: {error}") from error
 
     def chat_prompt(self, messages: list[dict]) -> str:
         """The prompt that asks for the next assistant turn: the chat template's, or for a plain-completion
@@ -384,6 +403,53 @@ def train_bpe(texts: Iterable[str], vocab_size: int,
                      chat_template=CHATML_TEMPLATE if chatml else None, pre="qwen2")
 
 
+def _gguf_vocabulary(metadata: dict, source: str) -> tuple[list[str], list[int], list[str]]:
+    """tokenizer.ggml.tokens, .token_type and .merges, checked: lists of the right item type and length, token
+    types that exist. Any other value is a ModelLoadError naming the key and the first bad entry."""
+    def array(key: str, kind: type, default=None) -> list:
+        value = metadata.get(key, default)
+        if not isinstance(value, list):
+            raise ModelLoadError(source, f"{key} must be a list, got {type(value).__name__}")
+        bad = next((i for i, item in enumerate(value) if type(item) is not kind), None)
+        if bad is not None:
+            raise ModelLoadError(source, f"{key}[{bad}] is {value[bad]!r:.60} ({type(value[bad]).__name__}), "
+                                         f"not {kind.__name__}")
+        return value
+
+    tokens, merges = array("tokenizer.ggml.tokens", str, []), array("tokenizer.ggml.merges", str, [])
+    if not tokens or not merges:
+        raise ModelLoadError(source, "GGUF metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+    types = array("tokenizer.ggml.token_type", int, [int(TokenType.NORMAL)] * len(tokens))
+    if len(types) != len(tokens):
+        raise ModelLoadError(source, f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    bad = next((i for i, kind in enumerate(types) if kind not in _TOKEN_TYPES), None)
+    if bad is not None:
+        raise ModelLoadError(source, f"tokenizer.ggml.token_type[{bad}] is {types[bad]}, not a token type "
+                                     f"({_TOKEN_TYPES.start}..{_TOKEN_TYPES.stop - 1})")
+    return tokens, types, merges
+
+
+def _merge_pairs(merges: list[str], vocab: dict[str, int], source: str) -> list[tuple[str, str]]:
+    """The merges as pairs, split as llama.cpp splits "a b" (at the first space after the first character);
+    both parts and their join must be tokens of the vocabulary."""
+    pairs = []
+    for i, merge in enumerate(merges):
+        cut = merge.find(" ", 1)
+        pair = (merge[:cut], merge[cut + 1:])
+        if cut < 0 or pair[0] not in vocab or pair[1] not in vocab or pair[0] + pair[1] not in vocab:
+            raise ModelLoadError(source, f"tokenizer.ggml.merges[{i}] {merge!r:.60} is not two tokens of the "
+                                         "vocabulary that join into a third")
+        pairs.append(pair)
+    return pairs
+
+
+def _template_text(metadata: dict, source: str) -> str | None:
+    template = metadata.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise ModelLoadError(source, f"tokenizer.chat_template must be a string, got {type(template).__name__}")
+    return template
+
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
@@ -394,18 +460,6 @@ def _read_json(path: Path) -> dict:
 
 
 def _compile_template(source: str) -> jinja2.Template:
-    """The environment transformers renders chat templates in (trim_blocks, lstrip_blocks)."""
-    def raise_exception(message):
-        raise jinja2.TemplateError(message)
-
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # jinja's own tojson escapes HTML characters, which chat templates do not want
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as error:
-        raise DeltaserveError(f"chat template does not parse: {error} (line {error.lineno})") from error
+    """The environment transformers renders chat templates in (sandboxed, trim_blocks, lstrip_blocks), with
+    each render bounded in time, loop iterations and text (see deltaserve.loader.chat_template)."""
+    return compile_chat_template(source)

@@ -414,3 +414,80 @@ def test_other_errors(tok, tmp_path):
         tok.decode([1, tok.vocab_size])
     with pytest.raises(DeltaserveError, match="vocab_size=200"):
         train_bpe(["x"], 200)
+
+
+# -- untrusted vocabularies ---------------------------------------------------------------------
+
+def with_entry(fields, key, index, value):
+    items = list(fields[key])
+    items[index] = value
+    return {**fields, key: items}
+
+
+@pytest.mark.parametrize("change, message", [
+    (("tokenizer.ggml.token_type", 5, 300), r"tokenizer\.ggml\.token_type\[5\] is 300, not a token type \(0\.\.6\)"),
+    (("tokenizer.ggml.token_type", 5, -1), r"tokenizer\.ggml\.token_type\[5\] is -1, not a token type"),
+    (("tokenizer.ggml.token_type", 2, "3"), r"tokenizer\.ggml\.token_type\[2\] is '3' \(str\), not int"),
+    (("tokenizer.ggml.token_type", 2, True), r"tokenizer\.ggml\.token_type\[2\] is True \(bool\), not int"),
+    (("tokenizer.ggml.tokens", 3, 7), r"tokenizer\.ggml\.tokens\[3\] is 7 \(int\), not str"),
+    (("tokenizer.ggml.merges", 0, "zz qq"), r"tokenizer\.ggml\.merges\[0\] 'zz qq' is not two tokens of the vocabulary"),
+    (("tokenizer.ggml.merges", 4, "nospace"), r"tokenizer\.ggml\.merges\[4\] 'nospace' is not two tokens"),
+    (("tokenizer.ggml.merges", 1, ["h", "e"]), r"tokenizer\.ggml\.merges\[1\] is \['h', 'e'\] \(list\), not str"),
+], ids=["type-300", "type-negative", "type-str", "type-bool", "token-int", "merge-unknown", "merge-no-space",
+        "merge-list"])
+def test_malformed_vocabulary_entries_are_named(tok, change, message):
+    with pytest.raises(ModelLoadError, match="^m.gguf: " + message):
+        Tokenizer.from_gguf_metadata(with_entry(tok.gguf_fields(), *change), source="m.gguf")
+
+
+def test_merges_that_join_into_no_token_are_refused(tok):
+    fields = tok.gguf_fields()
+    first = fields["tokenizer.ggml.merges"][0]  # "a b" whose join "ab" is a token: drop the join
+    joined = first.replace(" ", "")
+    tokens = ["[gone]" if t == joined else t for t in fields["tokenizer.ggml.tokens"]]
+    with pytest.raises(ModelLoadError, match=r"merges\[0\] .* not two tokens of the vocabulary that join into a third"):
+        Tokenizer.from_gguf_metadata({**fields, "tokenizer.ggml.tokens": tokens})
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("tokenizer.ggml.tokens", "abc", "tokenizer.ggml.tokens must be a list, got str"),
+    ("tokenizer.ggml.token_type", 1, "tokenizer.ggml.token_type must be a list, got int"),
+    ("tokenizer.ggml.pre", ["qwen2"], r"tokenizer.ggml.pre \['qwen2'\] is not supported"),
+    ("tokenizer.chat_template", 42, "tokenizer.chat_template must be a string, got int"),
+])
+def test_values_of_the_wrong_type(tok, key, value, message):
+    with pytest.raises(ModelLoadError, match=message):
+        Tokenizer.from_gguf_metadata({**tok.gguf_fields(), key: value})
+
+
+def test_missing_pre_is_llama_cpps_default_with_a_warning(tok):
+    """llama.cpp reads a GGUF without tokenizer.ggml.pre with its DEFAULT splits, warning: so do we."""
+    fields = tok.gguf_fields()
+    del fields["tokenizer.ggml.pre"]
+    with pytest.warns(UserWarning, match="m.gguf: tokenizer.ggml.pre is missing; .* 'default'"):
+        ours = Tokenizer.from_gguf_metadata(fields, source="m.gguf")
+    assert ours.pre == "default"
+    # hand-computed: punctuation runs, GPT-2 words, digit runs, then digits in threes
+    pieces = [p for p, _ in ours._backend.pre_tokenizer.pre_tokenize_str("a!!b 1234567 it's")]
+    assert pieces == ["a", "!!", "b", "Ġ", "123", "456", "7", "Ġit", "'", "s"]
+    explicit = Tokenizer.from_gguf_metadata(tok.gguf_fields(pre="default"))
+    assert all(ours.encode(text) == explicit.encode(text) for text in TEXTS)
+
+
+def test_llama_cpp_tokenizes_a_file_without_pre_the_same(tok, tmp_path, llama_cpp):
+    path = tmp_path / "nopre.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen35")
+    fields = tok.gguf_fields(pad_to=1013)
+    writer.add_tokenizer_model(fields["tokenizer.ggml.model"])
+    writer.add_token_list(fields["tokenizer.ggml.tokens"])
+    writer.add_token_types(fields["tokenizer.ggml.token_type"])
+    writer.add_token_merges(fields["tokenizer.ggml.merges"])
+    writer.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.warns(UserWarning, match="tokenizer.ggml.pre is missing"):
+        ours = Tokenizer.from_gguf_metadata(read_gguf_metadata(path))
+    llama = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    for text in TEXTS + ["x+=1 <=> y^z~|w $5.00", "1234567 12 123 ٣٤٥٦", "don't 'quote' it's"]:
+        assert llama.tokenize(text.encode(), add_bos=False, special=True) == ours.encode(text), text

@@ -2,22 +2,35 @@
 
 Both give `names()`, `has(name)`, `shape(name)`, `load(name, dtype, shape, device)` and
 `progress(names)`; a model builder loads tensor by tensor so only one copy of the weights exists.
+
+The readers (and torch) are imported on first use: the tokenizer imports chat_template from this package
+and must stay quick to import.
 """
 
 import os
+from importlib import import_module
 from pathlib import Path
 
 from deltaserve.errors import ModelLoadError
-from deltaserve.loader.gguf_file import GGUFCheckpoint
-from deltaserve.loader.quants import dequantize, quantize_q8_0
-from deltaserve.loader.safetensors_dir import SafetensorsCheckpoint
+
+_LAZY = {"GGUFCheckpoint": "gguf_file", "SafetensorsCheckpoint": "safetensors_dir", "dequantize": "quants",
+         "quantize_q8_0": "quants"}
 
 __all__ = ["GGUFCheckpoint", "SafetensorsCheckpoint", "open_checkpoint", "dequantize",
            "quantize_q8_0"]
 
 
-def open_checkpoint(path: str | os.PathLike) -> GGUFCheckpoint | SafetensorsCheckpoint:
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def open_checkpoint(path: str | os.PathLike) -> "GGUFCheckpoint | SafetensorsCheckpoint":
     """A `.gguf` file or a directory holding config.json; anything else is a ModelLoadError."""
+    from deltaserve.loader.gguf_file import GGUFCheckpoint
+    from deltaserve.loader.safetensors_dir import SafetensorsCheckpoint
+
     path = Path(path)
     if path.is_dir():
         if not (path / "config.json").is_file():

@@ -87,6 +87,54 @@ class _HeaderParser:
                       f"but only {self.size - self.pos} bytes remain")
         return [self.value(item_type, what, depth + 1) for _ in range(count)]
 
+    def tensor_table(self, entries: list, data_start: int, alignment: int) -> dict[str, TensorInfo]:
+        """The tensors' types, shapes and byte ranges, laid out as llama.cpp requires (gguf.cpp): in header
+        order, each at the offset where the one before it ends, padded to the alignment with zeros, the last
+        one ending the file. A changed type or shape changes a byte size, so it shows as an offset that does
+        not follow, as data where padding should be zero, or as bytes left over; a shifted or shared offset
+        shows the same way. Without this, each of those reads other bytes as weights."""
+        tensors: dict[str, TensorInfo] = {}
+        expected, before = 0, None  # the next tensor's offset in the data section; the tensor before it
+        for name, ne, ttype, offset in entries:
+            if name in tensors:
+                self.fail("corrupt file: tensor name appears twice", tensor=name)
+            shape = tuple(reversed(ne))
+            try:
+                qtype = GGMLQuantizationType(ttype)
+                nbytes = quants.nbytes(qtype, shape)
+            except (ValueError, KeyError) as e:
+                self.fail(f"corrupt tensor info: {e}", tensor=name)
+            if offset % alignment:
+                self.fail(f"data offset {offset} is not a multiple of general.alignment ({alignment})", tensor=name)
+            if offset != expected:
+                self.fail(f"data at offset {offset} of the data section, but {_ends(before, data_start)} at "
+                          f"{expected}: a type, shape or offset in the tensor table is corrupt", tensor=name)
+            if before is not None:
+                self.check_padding(before, data_start + offset)
+            start = data_start + offset
+            if start + nbytes > self.size:
+                self.fail(f"data (bytes {start}..{start + nbytes}) runs past the end of the file "
+                          f"({self.size} bytes): the file is truncated", tensor=name)
+            before = tensors[name] = TensorInfo(name, qtype, shape, start, nbytes)
+            expected = offset + -(-nbytes // alignment) * alignment
+        if before is not None:
+            if self.size > data_start + expected:
+                self.fail(f"{self.size - data_start - expected} bytes follow the data of the last tensor "
+                          f"({_ends(before, data_start)} at {expected}): its type or shape is corrupt, or the "
+                          "file has trailing bytes")
+            self.check_padding(before, self.size)
+        return tensors
+
+    def check_padding(self, info: TensorInfo, next_start: int) -> None:
+        """The bytes between a tensor's data and the next tensor's (or the end of the file) must be zero, as
+        every GGUF writer leaves them: a small tensor whose type was changed to a smaller one (F32 to F16) keeps
+        its padded size, and only its old data, now read as padding, gives it away."""
+        end = info.offset + info.nbytes
+        padding = self.buf[end:next_start]
+        if padding.count(0) != len(padding):
+            self.fail(f"the {len(padding)} padding bytes after its data (from byte {end}) are not zero: its "
+                      f"type ({info.qtype.name}) or shape {info.shape} is corrupt", tensor=info.name)
+
     def parse(self) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
         head = bytes(self.buf[:4])
         if head != b"GGUF"[:len(head)]:
@@ -125,23 +173,17 @@ class _HeaderParser:
             ne = [self.scalar(V.UINT64, what) for _ in range(n_dims)]
             entries.append((name, ne, self.scalar(V.UINT32, what), self.scalar(V.UINT64, what)))
         data_start = -(-self.pos // alignment) * alignment
-
-        tensors: dict[str, TensorInfo] = {}
-        for name, ne, ttype, offset in entries:
-            if name in tensors:
-                self.fail("corrupt file: tensor name appears twice", tensor=name)
-            shape = tuple(reversed(ne))
-            try:
-                qtype = GGMLQuantizationType(ttype)
-                nbytes = quants.nbytes(qtype, shape)
-            except (ValueError, KeyError) as e:
-                self.fail(f"corrupt tensor info: {e}", tensor=name)
-            start = data_start + offset
-            if start + nbytes > self.size:
-                self.fail(f"data (bytes {start}..{start + nbytes}) runs past the end of the file "
-                          f"({self.size} bytes): the file is truncated", tensor=name)
-            tensors[name] = TensorInfo(name, qtype, shape, start, nbytes)
+        tensors = self.tensor_table(entries, data_start, alignment)
         return metadata, tensors
+
+
+def _ends(info: TensorInfo | None, data_start: int) -> str:
+    """Where the data before a tensor ends, for messages: the tensor before it, its type, shape and range."""
+    if info is None:
+        return "the data section starts"
+    start = info.offset - data_start
+    return (f"tensor '{info.name}' before it ({info.qtype.name}, shape {info.shape}, {info.nbytes} bytes from "
+            f"offset {start}) ends, padded,")
 
 
 def progress_bar(total: int, desc: str, unit: str = "B") -> tqdm:

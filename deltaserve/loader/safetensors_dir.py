@@ -17,6 +17,9 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
                "I16": 2, "U16": 2}  # everything else (8-bit ints and floats, bool) is 1 byte
+# Weights are read only from these: an integer or FP8 tensor is a quantised layout whose scales live in other
+# tensors, and converting its raw values to float would load garbage.
+WEIGHT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -110,10 +113,13 @@ class SafetensorsCheckpoint:
     def load(self, name: str, dtype: torch.dtype = torch.float32, shape=None,
              device: torch.device | str | None = None) -> torch.Tensor:
         """Tensor `name` as a contiguous `dtype` tensor; with `shape`, any other shape is an error."""
-        found = self.shape(name)
+        found, stored = self._lookup(name)
         if shape is not None and tuple(int(s) for s in shape) != found:
             raise ModelLoadError(self.path, f"expected shape {tuple(int(s) for s in shape)}, "
                                  f"found {found}", tensor=name)
+        if stored not in WEIGHT_DTYPES:
+            raise ModelLoadError(self.path, f"stored as {stored}; weights are read from {', '.join(WEIGHT_DTYPES)} "
+                                 "only (quantised checkpoints are not supported)", tensor=name)
         shard = self._where[name]
         try:
             tensor = self._files[shard].get_tensor(name)

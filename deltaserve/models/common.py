@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -24,15 +25,19 @@ def build(cls, ckpt, *, dtype: torch.dtype, device, weight_dtype: torch.dtype | 
     that is exact, else float32: no value changes."""
     from deltaserve.models.weights import load_params
 
-    if getattr(ckpt, "metadata", None) is not None:
+    gguf = getattr(ckpt, "metadata", None) is not None
+    layers, root = layers_in_file(ckpt), "model."
+    if gguf:
         vocab = ckpt.shape("token_embd.weight")[0] if ckpt.has("token_embd.weight") else None
-        config = cls.config_class.from_gguf(ckpt.metadata, str(ckpt.path), vocab_size=vocab,
+        config = cls.config_class.from_gguf(ckpt.metadata, str(ckpt.path), vocab_size=vocab, max_layers=layers,
                                             tie_word_embeddings=not ckpt.has("output.weight"))
-        weights = load_params(cls.weight_table(config), ckpt, "gguf")
+        table = cls.weight_table(config)
     else:
-        config = cls.config_class.from_hf(ckpt.config, str(ckpt.path))
+        config = cls.config_class.from_hf(ckpt.config, str(ckpt.path), max_layers=layers)
         root = "model.language_model." if ckpt.has("model.language_model.embed_tokens.weight") else "model."
-        weights = load_params(cls.weight_table(config, hf_root=root), ckpt, "hf")
+        table = cls.weight_table(config, hf_root=root)
+    check_tensors(table, ckpt, "gguf" if gguf else "hf", config, hf_root=root)
+    weights = load_params(table, ckpt, "gguf" if gguf else "hf")
     with torch.device("meta"):  # before loading: int8 weights cannot require gradients
         model = cls(config, compute_dtype=dtype, cache_dtype=kv_dtype).requires_grad_(False)
     stored = weight_dtype or dtype
@@ -60,6 +65,75 @@ def build(cls, ckpt, *, dtype: torch.dtype, device, weight_dtype: torch.dtype | 
         raise ModelLoadError(ckpt.path, f"internal weights not produced: {missing[:5]}")
     model.load_state_dict(params, assign=True)
     return model.eval()
+
+
+_LAYER = re.compile(r"^(?:blk|(?:.+\.)?layers)\.(\d+)\.")  # GGUF blk.N.*, transformers [...]layers.N.*
+
+
+def layers_in_file(ckpt) -> int | None:
+    """How many distinct layer (block) indices the checkpoint's tensor names hold: a bound on any layer count
+    its header states, known before anything is built from that count."""
+    if not hasattr(ckpt, "names"):
+        return None
+    return len({m.group(1) for name in ckpt.names() if (m := _LAYER.match(name))})
+
+
+def check_tensors(table, ckpt, fmt: str, config, hf_root: str = "model.") -> None:
+    """Before anything is allocated: every tensor the weight table reads is in the checkpoint with the shape the
+    config gives it, and no layer of the checkpoint goes unread. A GGUF file may hold no tensor the table does
+    not read (llama.cpp refuses such files too), except in its next-token-prediction blocks."""
+    from deltaserve.models.weights import Leaf, chosen
+
+    read = set()
+    for p in table:
+        layout = getattr(p, fmt)
+        if layout is None:
+            raise ModelLoadError(ckpt.path, f"parameter {p.name} has no {fmt} layout")
+        pending = [chosen(layout, ckpt.has)]
+        while pending:
+            node = pending.pop()
+            if not isinstance(node, Leaf):
+                pending += node.parts
+                continue
+            if not ckpt.has(node.name):
+                raise ModelLoadError(ckpt.path, f"missing tensor (expected shape {list(node.shape)})", tensor=node.name)
+            found = tuple(ckpt.shape(node.name))
+            if not _same_shape(found, node.shape):
+                raise ModelLoadError(ckpt.path, f"expected shape {node.shape} (from the config), found {found}",
+                                     tensor=node.name)
+            read.add(node.name)
+    unread = [n for n in ckpt.names() if n not in read]
+    if fmt == "gguf":
+        _check_unread_gguf(ckpt, unread, config)
+        return
+    layer = re.compile(re.escape(hf_root) + r"layers\.(\d+)\.")
+    late = sorted(i for n in unread if (m := layer.match(n)) and (i := int(m.group(1))) >= config.num_layers)
+    if late:  # transformers checkpoints carry other tensors too (vision tower, MTP): only the trunk's are checked
+        raise ModelLoadError(ckpt.path, f"the config has {config.num_layers} layers, but the checkpoint holds "
+                             f"tensors of layer {late[0]} ({hf_root}layers.{late[0]}.*)")
+
+
+def _check_unread_gguf(ckpt, unread: list[str], config) -> None:
+    """Tensors of a GGUF file the weight table did not read may only sit in the next-token-prediction blocks
+    that follow the trunk, and each such block must be one (hold nextn.* tensors): otherwise block_count or
+    nextn_predict_layers disagrees with the file, and a model of the wrong depth would load."""
+    n, mtp = config.num_layers, getattr(config, "mtp_layers", 0)
+    blocks = {}
+    for name in unread:
+        m = re.match(r"blk\.(\d+)\.", name)
+        if m is None or not n <= int(m.group(1)) < n + mtp:
+            raise ModelLoadError(ckpt.path, f"tensor not read by a model of {n} layers (block_count, "
+                                 f"nextn_predict_layers or the tensor name is wrong)", tensor=name)
+        blocks.setdefault(int(m.group(1)), []).append(name)
+    for block, names in sorted(blocks.items()):
+        if not any(name.startswith(f"blk.{block}.nextn.") for name in names):
+            raise ModelLoadError(ckpt.path, f"block {block} is counted as a next-token-prediction block, but holds "
+                                 f"no nextn.* tensors: block_count or nextn_predict_layers is wrong")
+
+
+def _same_shape(got: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    """Shapes match, up to size-1 axes ([C, 1, W] conv weights stored as [C, W])."""
+    return got == want or [d for d in got if d != 1] == [d for d in want if d != 1]
 
 
 class Rows:
@@ -160,7 +234,7 @@ def fetch(ckpt, name: str, *shape: int) -> torch.Tensor:
     if not ckpt.has(name):
         raise ModelLoadError(ckpt.path, f"missing tensor (expected shape {list(shape)})", tensor=name)
     got = tuple(ckpt.shape(name))
-    if got != shape and [d for d in got if d != 1] == [d for d in shape if d != 1]:
+    if got != shape and _same_shape(got, shape):
         return ckpt.load(name, dtype=torch.float32).reshape(shape)
     return ckpt.load(name, dtype=torch.float32, shape=shape)
 

@@ -136,3 +136,14 @@ def test_not_a_directory(tmp_path):
         SafetensorsCheckpoint(tmp_path / "absent")
     with pytest.raises(ModelLoadError, match=r"absent: no such file or directory"):
         open_checkpoint(tmp_path / "absent")
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.float8_e4m3fn, torch.bool])
+def test_non_float_weights_are_refused(tmp_path, dtype):
+    """An FP8 or integer tensor is one half of a quantised layout (its scales are other tensors): read as plain
+    values it would be garbage."""
+    write_dir(tmp_path, {"model.norm.weight": torch.ones(4).to(dtype)})
+    ckpt = SafetensorsCheckpoint(tmp_path)
+    assert ckpt.shape("model.norm.weight") == (4,)
+    with pytest.raises(ModelLoadError, match=r"tensor 'model.norm.weight': stored as \w+; weights are read from F64"):
+        ckpt.load("model.norm.weight")

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltaserve.errors import DeltaserveError, ModelLoadError
-from deltaserve.models.checks import check_hybrid
+from deltaserve.models.checks import (MAX_EXPERTS, MAX_LAYERS, MAX_SIZE, REQUIRED, ConfigReader, check_hybrid,
+                                      check_layers, reads_config)
 
 
 KIMI_ARCH = "kimi-linear"
@@ -83,143 +84,128 @@ class KimiConfig:
 
     # ------------------------------------------------------------------ transformers
     @classmethod
-    def from_hf(cls, config: Mapping[str, Any], source: str = "config.json") -> KimiConfig:
+    @reads_config("config.json")
+    def from_hf(cls, config: Mapping[str, Any], source: str = "config.json", *,
+                max_layers: int | None = None) -> KimiConfig:
         """Read a kimi_linear config.json, as Moonshot released it (linear_attn_config, first_k_dense_replace)
-        or as transformers saves it (layer_types, mlp_layer_types, linear_* keys)."""
-        if config.get("model_type") != "kimi_linear":
-            raise ModelLoadError(source, f"model_type {config.get('model_type')!r} is not 'kimi_linear'")
+        or as transformers saves it (layer_types, mlp_layer_types, linear_* keys). max_layers: the layers whose
+        tensors the checkpoint holds, a bound on num_hidden_layers checked before any list is built."""
+        r = ConfigReader(config, source)
+        if r.raw("model_type", None) != "kimi_linear":
+            raise ModelLoadError(source, f"model_type {r.raw('model_type', None)!r} is not 'kimi_linear'")
 
-        def need(*keys: str):
-            for key in keys:
-                if key in config:
-                    return config[key]
-            raise ModelLoadError(source, f"missing config key {keys[0]!r}")
+        def key(*names: str) -> str:  # the first of several names a value goes by that the config has
+            return next((k for k in names if r.has(k)), names[0])
 
-        def opt(default: Any, *keys: str):
-            return next((config[k] for k in keys if config.get(k) is not None), default)
-
-        if config.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(source, f"hidden_act {config['hidden_act']!r} is not supported (only silu)")
-        if config.get("attention_bias", False):
-            raise ModelLoadError(source, "attention_bias=true is not supported")
-        if config.get("moe_router_activation_func", "sigmoid") != "sigmoid":
-            raise ModelLoadError(source, f"moe_router_activation_func {config['moe_router_activation_func']!r} "
-                                         "is not supported (only sigmoid)")
-        linear = dict(config.get("linear_attn_config") or {})
-        n_layers = need("num_hidden_layers")
-        layer_types = config.get("layer_types")
-        if layer_types is None and "kda_layers" in linear and "full_attn_layers" in linear:
-            kda = set(linear["kda_layers"])  # 1-based layer numbers
+        if r.text("hidden_act", "silu") != "silu":
+            r.fail("hidden_act", f"is {r.raw('hidden_act')!r}; only silu is supported")
+        if r.flag("attention_bias", False):
+            r.fail("attention_bias", "is true, which is not supported")
+        if r.text("moe_router_activation_func", "sigmoid") != "sigmoid":
+            r.fail("moe_router_activation_func", f"is {r.raw('moe_router_activation_func')!r}; only sigmoid is supported")
+        linear = r.nested("linear_attn_config")
+        n_layers = r.int("num_hidden_layers", low=1, high=MAX_LAYERS)
+        check_layers(r, "num_hidden_layers", n_layers, max_layers)
+        if r.has("layer_types"):
+            layer_types = r.items("layer_types", str, length=(n_layers, n_layers))
+        elif linear.has("kda_layers") and linear.has("full_attn_layers"):
+            kda = set(linear.items("kda_layers", int))  # 1-based layer numbers
             layer_types = ["linear_attention" if i + 1 in kda else "full_attention" for i in range(n_layers)]
-            if kda | set(linear["full_attn_layers"]) != set(range(1, n_layers + 1)):
+            if kda | set(linear.items("full_attn_layers", int)) != set(range(1, n_layers + 1)):
                 raise ModelLoadError(source, f"linear_attn_config kda_layers / full_attn_layers do not cover "
                                              f"layers 1..{n_layers}")
-        if layer_types is None:
+        else:
             raise ModelLoadError(source, "missing layer_types (or linear_attn_config kda_layers / full_attn_layers)")
-        if len(layer_types) != n_layers:
-            raise ModelLoadError(source, f"layer_types has {len(layer_types)} entries for {n_layers} layers")
 
-        n_experts = opt(0, "num_experts", "num_local_experts", "n_routed_experts")
-        ffn_types = config.get("mlp_layer_types")
-        if ffn_types is not None:
-            ffn_types = ["moe" if t == "sparse" else t for t in ffn_types]
+        n_experts = r.int(key("num_experts", "num_local_experts", "n_routed_experts"), 0, high=MAX_EXPERTS)
+        if r.has("mlp_layer_types"):
+            ffn_types = ["moe" if t == "sparse" else t
+                         for t in r.items("mlp_layer_types", str, length=(n_layers, n_layers))]
         else:  # Moonshot's rule: the first k layers dense, then MoE every moe_layer_freq-th layer
-            first, freq = opt(1, "first_k_dense_replace"), opt(1, "moe_layer_freq")
+            first, freq = r.int("first_k_dense_replace", 1), r.int("moe_layer_freq", 1, low=1)
             ffn_types = ["moe" if n_experts and i >= first and i % freq == 0 else "dense" for i in range(n_layers)]
-        lower = linear.get("gate_lower_bound")
-        if lower is None and linear.get("safe_gate", False):
+        lower = linear.float("gate_lower_bound") if linear.has("gate_lower_bound") else None
+        if lower is None and linear.flag("safe_gate", False):
             lower = -5.0  # fla's default bound for the safe gate
-        try:
-            return cls(
-                vocab_size=need("vocab_size"), hidden_size=need("hidden_size"),
-                layer_types=tuple(layer_types), ffn_types=tuple(ffn_types),
-                rms_norm_eps=float(opt(1e-5, "rms_norm_eps")),
-                conv_kernel=int(linear.get("short_conv_kernel_size", opt(4, "linear_conv_kernel_dim"))),
-                kda_heads=int(linear.get("num_heads", opt(32, "linear_num_heads"))),
-                kda_head_dim=int(linear.get("head_dim", opt(128, "linear_head_dim"))),
-                num_heads=need("num_attention_heads"), kv_lora_rank=need("kv_lora_rank"),
-                qk_nope_head_dim=need("qk_nope_head_dim"), qk_rope_head_dim=need("qk_rope_head_dim"),
-                v_head_dim=need("v_head_dim"), q_lora_rank=opt(0, "q_lora_rank"),
-                mla_norm_eps=1e-6,  # transformers and Moonshot's code build these norms with the default eps
-                gate_lower_bound=None if lower is None else float(lower),
-                intermediate_size=opt(0, "intermediate_size"), num_experts=n_experts,
-                num_experts_per_tok=opt(0, "num_experts_per_token", "num_experts_per_tok"),
-                moe_intermediate_size=opt(0, "moe_intermediate_size"),
-                num_shared_experts=opt(0, "num_shared_experts", "n_shared_experts"),
-                routed_scaling_factor=float(opt(1.0, "routed_scaling_factor")),
-                norm_topk_prob=bool(opt(True, "moe_renormalize", "norm_topk_prob")),
-                n_group=opt(1, "num_expert_group", "n_group"), topk_group=opt(1, "topk_group"),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                max_position_embeddings=opt(0, "model_max_length", "max_position_embeddings"),
-            )
-        except DeltaserveError as e:
-            raise ModelLoadError(source, str(e)) from None
+        def kda(name: str, flat_name: str, default: int) -> int:  # in linear_attn_config, or flat (transformers)
+            return linear.int(name) if linear.has(name) else r.int(flat_name, default)
+
+        return cls(
+            vocab_size=r.int("vocab_size", low=1), hidden_size=r.int("hidden_size", low=1),
+            layer_types=tuple(layer_types), ffn_types=tuple(ffn_types),
+            rms_norm_eps=r.float("rms_norm_eps", 1e-5, low=0, high=1, open_low=True),
+            conv_kernel=kda("short_conv_kernel_size", "linear_conv_kernel_dim", 4),
+            kda_heads=kda("num_heads", "linear_num_heads", 32), kda_head_dim=kda("head_dim", "linear_head_dim", 128),
+            num_heads=r.int("num_attention_heads", low=1), kv_lora_rank=r.int("kv_lora_rank", low=1),
+            qk_nope_head_dim=r.int("qk_nope_head_dim"), qk_rope_head_dim=r.int("qk_rope_head_dim"),
+            v_head_dim=r.int("v_head_dim"), q_lora_rank=r.int("q_lora_rank", 0),
+            mla_norm_eps=1e-6,  # transformers and Moonshot's code build these norms with the default eps
+            gate_lower_bound=lower,
+            intermediate_size=r.int("intermediate_size", 0), num_experts=n_experts,
+            num_experts_per_tok=r.int(key("num_experts_per_token", "num_experts_per_tok"), 0),
+            moe_intermediate_size=r.int("moe_intermediate_size", 0),
+            num_shared_experts=r.int(key("num_shared_experts", "n_shared_experts"), 0),
+            routed_scaling_factor=r.float("routed_scaling_factor", 1.0, low=0, open_low=True),
+            norm_topk_prob=r.flag(key("moe_renormalize", "norm_topk_prob"), True),
+            n_group=r.int(key("num_expert_group", "n_group"), 1, low=1), topk_group=r.int("topk_group", 1, low=1),
+            tie_word_embeddings=r.flag("tie_word_embeddings", False),
+            max_position_embeddings=r.int(key("model_max_length", "max_position_embeddings"), 0),
+        )
 
     # ------------------------------------------------------------------ GGUF
     @classmethod
+    @reads_config("gguf")
     def from_gguf(cls, metadata: Mapping[str, Any], source: str = "gguf", *, vocab_size: int | None = None,
-                  tie_word_embeddings: bool = False) -> KimiConfig:
+                  tie_word_embeddings: bool = False, max_layers: int | None = None) -> KimiConfig:
         """Read llama.cpp `kimi-linear` metadata: KDA layers are those with attention.head_count_kv 0, and
-        both layer kinds take their head count from attention.head_count (per layer when an array)."""
-        arch = metadata.get("general.architecture")
+        both layer kinds take their head count from attention.head_count (per layer when an array).
+        max_layers: the blocks whose tensors the file holds, a bound on block_count checked before any list."""
+        top = ConfigReader(metadata, source)
+        arch = top.raw("general.architecture", None)
         if arch != KIMI_ARCH:
             raise ModelLoadError(source, f"general.architecture {arch!r} is not {KIMI_ARCH!r}")
+        r = top.under(f"{arch}.")
+        n_layers = r.int("block_count", low=1, high=MAX_LAYERS)
+        check_layers(r, "block_count", n_layers, max_layers)
+        if not isinstance(r.raw("attention.head_count_kv"), (list, tuple)):
+            r.fail("attention.head_count_kv", "must list every layer (0 marks a KDA layer), "
+                                              f"got {r.raw('attention.head_count_kv')!r}")
+        kv_heads = r.items("attention.head_count_kv", int, length=(n_layers, n_layers))
+        layer_types = ["linear_attention" if n == 0 else "full_attention" for n in kv_heads]
 
-        def get(key: str, default: Any = None):
-            value = metadata.get(f"{arch}.{key}", default)
-            if value is None:
-                raise ModelLoadError(source, f"missing metadata key '{arch}.{key}'")
-            return value
-
-        n_layers = int(get("block_count"))
-        kv_heads = get("attention.head_count_kv")
-        if not isinstance(kv_heads, (list, tuple)) or len(kv_heads) < n_layers:
-            raise ModelLoadError(source, f"'{arch}.attention.head_count_kv' must list every layer (0 marks a "
-                                         f"KDA layer), got {kv_heads!r}")
-        layer_types = ["linear_attention" if int(n) == 0 else "full_attention" for n in list(kv_heads)[:n_layers]]
-
-        def num(key: str, default: Any = None, layers: list[int] | None = None) -> int:
-            value = get(key, default)
-            if isinstance(value, (list, tuple)):
-                values = {int(value[i]) for i in (layers or range(n_layers))}
-                if len(values) != 1:
-                    raise ModelLoadError(source, f"'{arch}.{key}' differs between layers: {list(value)}")
-                return values.pop()
-            return int(value)
+        def num(key: str, default: Any = REQUIRED, layers: list[int] | None = None, low: int = 0,
+                high: int = MAX_SIZE) -> int:
+            return r.per_layer(key, default, n_layers=n_layers, blocks=n_layers, layers=layers, low=low, high=high)
 
         kda = [i for i, t in enumerate(layer_types) if t == "linear_attention"]
         mla = [i for i, t in enumerate(layer_types) if t == "full_attention"]
-        if (gating := int(get("expert_gating_func", 2))) != 2:
+        if (gating := r.int("expert_gating_func", 2)) != 2:
             raise ModelLoadError(source, f"'{arch}.expert_gating_func' is {gating}; Kimi routes by sigmoid (2)")
         rope = num("rope.dimension_count", 0)
-        dense_lead, n_experts = num("leading_dense_block_count", 0), num("expert_count", 0)
+        dense_lead, n_experts = num("leading_dense_block_count", 0), num("expert_count", 0, high=MAX_EXPERTS)
         if vocab_size is None:
-            vocab_size = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or ())
-        lower = metadata.get(f"{arch}.kda.gate_lower_bound")
-        try:
-            return cls(
-                vocab_size=int(vocab_size), hidden_size=num("embedding_length"),
-                layer_types=tuple(layer_types),
-                ffn_types=tuple("dense" if i < dense_lead or not n_experts else "moe" for i in range(n_layers)),
-                rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-                conv_kernel=num("ssm.conv_kernel"),
-                kda_heads=num("attention.head_count", layers=kda), kda_head_dim=num("kda.head_dim"),
-                num_heads=num("attention.head_count", layers=mla), kv_lora_rank=num("attention.kv_lora_rank"),
-                qk_nope_head_dim=num("attention.key_length_mla") - rope, qk_rope_head_dim=rope,
-                v_head_dim=num("attention.value_length_mla"), q_lora_rank=num("attention.q_lora_rank", 0),
-                mla_norm_eps=float(get("attention.layer_norm_rms_epsilon")),  # llama.cpp's build_norm
-                gate_lower_bound=None if lower is None else float(lower),
-                intermediate_size=num("feed_forward_length", 0), num_experts=n_experts,
-                num_experts_per_tok=num("expert_used_count", 0),
-                moe_intermediate_size=num("expert_feed_forward_length", 0),
-                num_shared_experts=num("expert_shared_count", 0),
-                routed_scaling_factor=float(get("expert_weights_scale", 1.0)),
-                norm_topk_prob=bool(get("expert_weights_norm", True)),
-                n_group=num("expert_group_count", 1) or 1, topk_group=num("expert_group_used_count", 1) or 1,
-                tie_word_embeddings=tie_word_embeddings, max_position_embeddings=num("context_length", 0),
-            )
-        except DeltaserveError as e:
-            raise ModelLoadError(source, str(e)) from None
+            vocab_size = r.int("vocab_size", 0) or len(top.items("tokenizer.ggml.tokens", str, []))
+        eps = r.float("attention.layer_norm_rms_epsilon", low=0, high=1, open_low=True)
+        return cls(
+            vocab_size=vocab_size, hidden_size=num("embedding_length"),
+            layer_types=tuple(layer_types),
+            ffn_types=tuple("dense" if i < dense_lead or not n_experts else "moe" for i in range(n_layers)),
+            rms_norm_eps=eps, conv_kernel=num("ssm.conv_kernel"),
+            kda_heads=num("attention.head_count", layers=kda), kda_head_dim=num("kda.head_dim"),
+            num_heads=num("attention.head_count", layers=mla), kv_lora_rank=num("attention.kv_lora_rank"),
+            qk_nope_head_dim=num("attention.key_length_mla") - rope, qk_rope_head_dim=rope,
+            v_head_dim=num("attention.value_length_mla"), q_lora_rank=num("attention.q_lora_rank", 0),
+            mla_norm_eps=eps,  # llama.cpp's build_norm
+            gate_lower_bound=r.float("kda.gate_lower_bound") if r.has("kda.gate_lower_bound") else None,
+            intermediate_size=num("feed_forward_length", 0), num_experts=n_experts,
+            num_experts_per_tok=num("expert_used_count", 0),
+            moe_intermediate_size=num("expert_feed_forward_length", 0),
+            num_shared_experts=num("expert_shared_count", 0),
+            routed_scaling_factor=r.float("expert_weights_scale", 1.0, low=0, open_low=True),
+            norm_topk_prob=r.flag("expert_weights_norm", True),
+            n_group=num("expert_group_count", 1) or 1, topk_group=num("expert_group_used_count", 1) or 1,
+            tie_word_embeddings=tie_word_embeddings, max_position_embeddings=num("context_length", 0),
+        )
 
     # ------------------------------------------------------------------ writing (the inverse of the readers)
     def to_hf(self) -> dict[str, Any]:

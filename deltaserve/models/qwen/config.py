@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltaserve.errors import DeltaserveError, ModelLoadError
-from deltaserve.models.checks import check_hybrid
+from deltaserve.models.checks import (MAX_EXPERTS, MAX_LAYERS, MAX_SIZE, REQUIRED, ConfigReader, check_hybrid,
+                                      check_layers, reads_config)
 
 ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 
@@ -89,123 +90,112 @@ class QwenConfig:
 
     # ------------------------------------------------------------------ transformers
     @classmethod
-    def from_hf(cls, config: Mapping[str, Any], source: str = "config.json") -> QwenConfig:
-        """Read a transformers config dict (qwen3_next, qwen3_5[_text], qwen3_5_moe[_text])."""
-        model_type = config.get("model_type")
-        if model_type not in _HF_ARCH:
+    @reads_config("config.json")
+    def from_hf(cls, config: Mapping[str, Any], source: str = "config.json", *,
+                max_layers: int | None = None) -> QwenConfig:
+        """Read a transformers config dict (qwen3_next, qwen3_5[_text], qwen3_5_moe[_text]). max_layers: the
+        layers whose tensors the checkpoint holds, a bound on num_hidden_layers checked before any list is built."""
+        top = ConfigReader(config, source)
+        model_type = top.raw("model_type", None)
+        if not isinstance(model_type, str) or model_type not in _HF_ARCH:
             raise ModelLoadError(source, f"model_type {model_type!r} is not a Qwen hybrid model "
                                          f"(expected one of {sorted(_HF_ARCH)})")
         arch = _HF_ARCH[model_type]
-        text = config.get("text_config") or config  # the vision-language checkpoints nest the LM
-        tie = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
-
-        def need(key: str):
-            if key not in text:
-                raise ModelLoadError(source, f"missing config key {key!r}")
-            return text[key]
-
-        if text.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(source, f"hidden_act {text['hidden_act']!r} is not supported (only silu)")
-        if text.get("attention_bias", False):
-            raise ModelLoadError(source, "attention_bias=true is not supported")
-
-        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        r = top.nested("text_config") if top.has("text_config") else top  # the vision-language checkpoints nest the LM
+        if r.text("hidden_act", "silu") != "silu":
+            r.fail("hidden_act", f"is {r.raw('hidden_act')!r}; only silu is supported")
+        if r.flag("attention_bias", False):
+            r.fail("attention_bias", "is true, which is not supported")
+        rope = r.nested("rope_parameters") if r.has("rope_parameters") else r.nested("rope_scaling")
+        rope_type = rope.text("rope_type") if rope.has("rope_type") else rope.text("type", "default")
         if rope_type != "default":
             raise ModelLoadError(source, f"rope type {rope_type!r} is not supported (only default)")
-        theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
-        partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+        theta = (rope if rope.has("rope_theta") else r).float("rope_theta", 10000.0, low=0, open_low=True)
+        partial = (rope if rope.has("partial_rotary_factor") else r).float("partial_rotary_factor", 0.25, low=0,
+                                                                           high=1, open_low=True)
 
-        n_layers = need("num_hidden_layers")
-        hidden, heads = need("hidden_size"), need("num_attention_heads")
-        head_dim = text.get("head_dim") or hidden // heads
-        layer_types = text.get("layer_types")
-        if layer_types is None:
-            interval = text.get("full_attention_interval", 4)
+        n_layers = r.int("num_hidden_layers", low=1, high=MAX_LAYERS)
+        check_layers(r, "num_hidden_layers", n_layers, max_layers)
+        hidden, heads = r.int("hidden_size", low=1), r.int("num_attention_heads", low=1)
+        head_dim = r.int("head_dim", 0) or hidden // heads
+        if r.has("layer_types"):
+            layer_types = r.items("layer_types", str, length=(n_layers, n_layers))
+        else:
+            interval = r.int("full_attention_interval", 4, low=1)
             layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
-        if len(layer_types) != n_layers:
-            raise ModelLoadError(source, f"layer_types has {len(layer_types)} entries for {n_layers} layers")
 
         moe = {}
         if arch == "qwen35":
             ffn_types = ["dense"] * n_layers
         else:
-            moe = dict(num_experts=need("num_experts"), num_experts_per_tok=need("num_experts_per_tok"),
-                       moe_intermediate_size=need("moe_intermediate_size"),
-                       shared_expert_intermediate_size=text.get("shared_expert_intermediate_size", 0),
+            moe = dict(num_experts=r.int("num_experts", high=MAX_EXPERTS), num_experts_per_tok=r.int("num_experts_per_tok"),
+                       moe_intermediate_size=r.int("moe_intermediate_size"),
+                       shared_expert_intermediate_size=r.int("shared_expert_intermediate_size", 0),
                        # Qwen3.5-MoE always renormalises the top-k weights (its router has no switch)
-                       norm_topk_prob=bool(text.get("norm_topk_prob", True)))
+                       norm_topk_prob=r.flag("norm_topk_prob", True))
             if arch == "qwen35moe":
                 ffn_types = ["moe"] * n_layers
             else:  # Qwen3-Next may keep some layers dense
-                only_mlp, step = set(text.get("mlp_only_layers") or ()), text.get("decoder_sparse_step", 1)
+                only_mlp = set(r.items("mlp_only_layers", int, []))
+                step = r.int("decoder_sparse_step", 1, low=1)
                 ffn_types = ["moe" if i not in only_mlp and moe["num_experts"] > 0 and (i + 1) % step == 0
                              else "dense" for i in range(n_layers)]
-        try:
-            return cls(
-                arch=arch, vocab_size=need("vocab_size"), hidden_size=hidden,
-                layer_types=tuple(layer_types), ffn_types=tuple(ffn_types),
-                num_heads=heads, num_kv_heads=need("num_key_value_heads"), head_dim=head_dim,
-                rotary_dim=int(head_dim * partial), rope_theta=float(theta),
-                rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-                conv_kernel=text.get("linear_conv_kernel_dim", 4),
-                linear_k_heads=need("linear_num_key_heads"), linear_v_heads=need("linear_num_value_heads"),
-                linear_k_dim=need("linear_key_head_dim"), linear_v_dim=need("linear_value_head_dim"),
-                intermediate_size=text.get("intermediate_size", 0) or 0,
-                tie_word_embeddings=bool(tie),
-                mtp_layers=text.get("mtp_num_hidden_layers", text.get("num_nextn_predict_layers", 0)) or 0,
-                max_position_embeddings=text.get("max_position_embeddings", 0) or 0,
-                **moe,
-            )
-        except DeltaserveError as e:
-            raise ModelLoadError(source, str(e)) from None
+        mtp = r.int("mtp_num_hidden_layers") if r.has("mtp_num_hidden_layers") else r.int("num_nextn_predict_layers", 0)
+        return cls(
+            arch=arch, vocab_size=r.int("vocab_size", low=1), hidden_size=hidden,
+            layer_types=tuple(layer_types), ffn_types=tuple(ffn_types),
+            num_heads=heads, num_kv_heads=r.int("num_key_value_heads", low=1), head_dim=head_dim,
+            rotary_dim=int(head_dim * partial), rope_theta=theta,
+            rms_norm_eps=r.float("rms_norm_eps", 1e-6, low=0, high=1, open_low=True),
+            conv_kernel=r.int("linear_conv_kernel_dim", 4),
+            linear_k_heads=r.int("linear_num_key_heads", low=1), linear_v_heads=r.int("linear_num_value_heads", low=1),
+            linear_k_dim=r.int("linear_key_head_dim", low=1), linear_v_dim=r.int("linear_value_head_dim", low=1),
+            intermediate_size=r.int("intermediate_size", 0),
+            tie_word_embeddings=r.flag("tie_word_embeddings", top.flag("tie_word_embeddings", False)),
+            mtp_layers=mtp, max_position_embeddings=r.int("max_position_embeddings", 0),
+            **moe,
+        )
 
     # ------------------------------------------------------------------ GGUF
     @classmethod
+    @reads_config("gguf")
     def from_gguf(cls, metadata: Mapping[str, Any], source: str = "gguf", *, vocab_size: int | None = None,
-                  tie_word_embeddings: bool = False) -> QwenConfig:
+                  tie_word_embeddings: bool = False, max_layers: int | None = None) -> QwenConfig:
         """Read llama.cpp GGUF metadata. The vocabulary size and whether the output matrix is tied
-        are facts of the tensors, not the metadata: the caller passes them when it has the file."""
-        arch = metadata.get("general.architecture")
-        if arch not in ARCHS:
+        are facts of the tensors, not the metadata: the caller passes them when it has the file, and
+        max_layers, the blocks whose tensors it holds (a bound on block_count checked before any list is built)."""
+        top = ConfigReader(metadata, source)
+        arch = top.raw("general.architecture", None)
+        if not isinstance(arch, str) or arch not in ARCHS:
             raise ModelLoadError(source, f"general.architecture {arch!r} is not one of {ARCHS}")
-
-        def get(key: str, default: Any = None):
-            value = metadata.get(f"{arch}.{key}", default)
-            if value is None:
-                raise ModelLoadError(source, f"missing metadata key '{arch}.{key}'")
-            return value
-
-        mtp = int(get("nextn_predict_layers", 0))
-        n_layers = int(get("block_count")) - mtp  # MTP blocks are appended after the trunk
-        recurrent = metadata.get(f"{arch}.attention.recurrent_layers")
-        if recurrent is not None:
-            layer_types = ["linear_attention" if r else "full_attention" for r in list(recurrent)[:n_layers]]
+        r = top.under(f"{arch}.")
+        blocks = r.int("block_count", low=1, high=MAX_LAYERS)
+        mtp = r.int("nextn_predict_layers", 0, high=blocks - 1)
+        n_layers = blocks - mtp  # MTP blocks are appended after the trunk
+        check_layers(r, "block_count", n_layers, max_layers)
+        if r.has("attention.recurrent_layers"):
+            recurrent = r.items("attention.recurrent_layers", bool, length=(n_layers, blocks))
+            layer_types = ["linear_attention" if x else "full_attention" for x in recurrent[:n_layers]]
         else:
-            interval = int(get("full_attention_interval", 4))
+            interval = r.int("full_attention_interval", 4, low=1)
             layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
         attn_layers = [i for i, t in enumerate(layer_types) if t == "full_attention"]
 
-        def num(key: str, default: Any = None, layers: list[int] | None = None) -> int:
+        def num(key: str, default: Any = REQUIRED, layers: list[int] | None = None, low: int = 0,
+                high: int = MAX_SIZE) -> int:
             # llama.cpp allows per-layer arrays (head counts, widths); ours must agree where they are used
-            value = get(key, default)
-            if isinstance(value, (list, tuple)):
-                values = {int(value[i]) for i in (range(n_layers) if layers is None else layers)}
-                if len(values) != 1:
-                    raise ModelLoadError(source, f"'{arch}.{key}' differs between layers: {list(value)}")
-                return values.pop()
-            return int(value)
+            return r.per_layer(key, default, n_layers=n_layers, blocks=blocks, layers=layers, low=low, high=high)
 
-        hidden, heads = num("embedding_length"), num("attention.head_count", layers=attn_layers)
-        head_dim = num("attention.key_length", hidden // heads)
+        hidden, heads = num("embedding_length", low=1), num("attention.head_count", layers=attn_layers, low=1)
+        head_dim = num("attention.key_length", hidden // heads, low=1)
         if num("attention.value_length", head_dim) != head_dim:
             raise ModelLoadError(source, "attention key_length and value_length differ")
-        v_heads, inner = num("ssm.time_step_rank"), num("ssm.inner_size")
+        v_heads, inner = num("ssm.time_step_rank", low=1), num("ssm.inner_size", low=1)
         if inner % v_heads:
             raise ModelLoadError(source, f"ssm.inner_size ({inner}) is not a multiple of "
                                          f"ssm.time_step_rank ({v_heads})")
         if vocab_size is None:
-            vocab_size = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or ())
+            vocab_size = r.int("vocab_size", 0) or len(top.items("tokenizer.ggml.tokens", str, []))
 
         moe = {}
         if arch == "qwen35":
@@ -213,28 +203,23 @@ class QwenConfig:
         else:
             ffn_types = ["moe"] * n_layers
             # llama.cpp falls back to the dense width when the shared expert width is not stated
-            shared = num("expert_shared_feed_forward_length", metadata.get(f"{arch}.feed_forward_length", 0))
-            moe = dict(num_experts=num("expert_count"), num_experts_per_tok=num("expert_used_count"),
+            shared = num("expert_shared_feed_forward_length", num("feed_forward_length", 0))
+            moe = dict(num_experts=num("expert_count", high=MAX_EXPERTS), num_experts_per_tok=num("expert_used_count"),
                        moe_intermediate_size=num("expert_feed_forward_length"),
-                       shared_expert_intermediate_size=shared,
-                       norm_topk_prob=bool(get("expert_weights_norm", True)))
-        dense_width = num("feed_forward_length") if arch == "qwen35" else 0
-        try:
-            return cls(
-                arch=arch, vocab_size=int(vocab_size), hidden_size=hidden,
-                layer_types=tuple(layer_types), ffn_types=tuple(ffn_types),
-                num_heads=heads, num_kv_heads=num("attention.head_count_kv", layers=attn_layers),
-                head_dim=head_dim, rotary_dim=num("rope.dimension_count", head_dim),
-                rope_theta=float(get("rope.freq_base", 10000.0)),
-                rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-                conv_kernel=num("ssm.conv_kernel"), linear_k_heads=num("ssm.group_count"), linear_v_heads=v_heads,
-                linear_k_dim=num("ssm.state_size"), linear_v_dim=inner // v_heads,
-                intermediate_size=dense_width, tie_word_embeddings=tie_word_embeddings,
-                mtp_layers=mtp, max_position_embeddings=num("context_length", 0),
-                **moe,
-            )
-        except DeltaserveError as e:
-            raise ModelLoadError(source, str(e)) from None
+                       shared_expert_intermediate_size=shared, norm_topk_prob=r.flag("expert_weights_norm", True))
+        return cls(
+            arch=arch, vocab_size=vocab_size, hidden_size=hidden,
+            layer_types=tuple(layer_types), ffn_types=tuple(ffn_types),
+            num_heads=heads, num_kv_heads=num("attention.head_count_kv", layers=attn_layers),
+            head_dim=head_dim, rotary_dim=num("rope.dimension_count", head_dim),
+            rope_theta=r.float("rope.freq_base", 10000.0, low=0, open_low=True),
+            rms_norm_eps=r.float("attention.layer_norm_rms_epsilon", low=0, high=1, open_low=True),
+            conv_kernel=num("ssm.conv_kernel"), linear_k_heads=num("ssm.group_count"), linear_v_heads=v_heads,
+            linear_k_dim=num("ssm.state_size"), linear_v_dim=inner // v_heads,
+            intermediate_size=num("feed_forward_length") if arch == "qwen35" else 0,
+            tie_word_embeddings=tie_word_embeddings, mtp_layers=mtp, max_position_embeddings=num("context_length", 0),
+            **moe,
+        )
 
     # ------------------------------------------------------------------ writing (the inverse of the readers)
     def to_hf(self) -> dict[str, Any]:
