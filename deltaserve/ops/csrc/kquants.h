@@ -1,12 +1,11 @@
 // Weights kept in their GGML blocks (Q4_0, IQ4_NL: 32 weights a block; Q4_K, Q5_K, Q6_K, IQ4_XS: 256):
-// the block layouts, exact decoders, and rows of a packed matrix dequantised to float32 (prefill GEMMs and
-// embedding lookups). The decode GEMV reading the same blocks is in packed_gemv.h.
+// the block layouts, exact scalar decoders (the reference for kquants_avx512.h's, and the path of machines
+// without AVX-512) and the segment table of a packed matrix. The kernels reading them are in packed.h.
 //
 // A packed matrix is one byte string holding its rows one after the other; a fused projection may mix
 // types (llama.cpp's Q4_K_M keeps some parts in Q6_K), so the rows come in segments described by an int64
 // table [S, 4]: (GGML type id, first row, end row, byte offset of the first row), rows in order.
 #pragma once
-#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/extension.h>
 
@@ -190,27 +189,6 @@ struct Segments {
     return base + t[4 * s + 3] + (n - t[4 * s + 1]) * (K / l.block) * l.bytes;
   }
 };
-
-// out [R, K] float32 = rows `ids` (int64 [R]) of the packed matrix (uint8 bytes, segment table), exactly.
-void packed_rows(torch::Tensor bytes, torch::Tensor table, int64_t K, torch::Tensor ids, torch::Tensor out) {
-  TORCH_CHECK(bytes.dtype() == torch::kUInt8 && bytes.is_contiguous(), "packed bytes must be contiguous uint8");
-  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.is_contiguous() && out.size(-1) == K, "out must be [R, K] float32");
-  TORCH_CHECK(ids.dtype() == torch::kInt64 && ids.is_contiguous() && out.numel() == ids.numel() * K, "ids must be int64 [R]");
-  const Segments seg(table, K, bytes.numel());
-  const uint8_t* base = bytes.data_ptr<uint8_t>();
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  for (int64_t r = 0; r < ids.numel(); ++r)
-    TORCH_CHECK(ip[r] >= 0 && ip[r] < seg.rows, "row ", ip[r], " out of range [0, ", seg.rows, ")");
-  at::parallel_for(0, ids.numel(), 4, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) {
-      const int64_t s = seg.find(ip[r]);
-      const Layout l = layout(seg.type(s));
-      const uint8_t* src = seg.row(base, s, ip[r], K);
-      for (int64_t b = 0; b < K / l.block; ++b) decode_block(seg.type(s), src + b * l.bytes, op + r * K + b * l.block);
-    }
-  });
-}
 
 }  // namespace kq
 }  // namespace deltaserve

@@ -1,12 +1,12 @@
 // deltaserve's CPU kernels, built by ops/fused.py as one translation unit from the headers beside this file:
 // delta_rule.h (the fused gated delta rule), conv.h, layers.h (norms, SwiGLU, attention step), gemv.h,
-// kquants.h (packed GGML blocks: decoders, rows to float32) and packed_gemv.h (decode GEMV on them).
+// kquants.h (packed GGML blocks: decoders, rows to float32) and kquants_avx512.h, packed.h (decode GEMV and rows to float32 on them).
 #include "conv.h"
 #include "delta_rule.h"
 #include "gemv.h"
 #include "kquants.h"
 #include "layers.h"
-#include "packed_gemv.h"
+#include "packed.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdr_forward", &deltaserve::gdr_forward, "fused gated delta rule (CPU, float32)");

@@ -1,24 +1,20 @@
-// Decode GEMV on packed GGML blocks (see kquants.h): y [M, N] = x [M, K] (float32) @ W^T, W read from its
-// blocks once per group of up to 8 activation rows and widened in registers, never in memory. The activations
-// stay float32 (llama.cpp rounds them to 8 bits for its integer dot products): the result is a float32 matmul
-// with the dequantised weights, up to summation order.
+// AVX-512 decoders of packed GGML blocks (layouts in kquants.h): each visitor hands emit(e, w) the 16-weight
+// vectors of one block (w = weights e .. e + 15) with the exact values of kquants.h's decode_block. 4- and 5-bit
+// codes index a 16- or 32-entry table of their sub-block's values: one permute per 16 weights instead of a
+// mask, a convert and a multiply-add. Used by the decode GEMV and the row dequantiser (packed.h).
 #pragma once
-#include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
 
-#include <algorithm>
+#include <cstdint>
+#include <cstring>
 
-#include "gemv.h"
 #include "kquants.h"
 
 namespace deltaserve {
 namespace kq {
 
 #if defined(__AVX512F__)
-// Each visitor below hands emit(e, w) the 16-weight vectors of one block (w = weights e .. e + 15), with
-// the exact values of decode_block: 4- and 5-bit codes index a 16- or 32-entry table of the sub-block's
-// values (one permute per 16 weights instead of a mask, a convert and a multiply-add).
+// no FMA contraction: tables and values are the reference's products, bit for bit
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 
@@ -28,7 +24,16 @@ inline __m512 iq4_levels() { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_
 // bits 0..3 of lo, bits 4.. of hi (vpternlog's bitwise select, 0xCA: mask ? lo : hi)
 inline __m512i nibble_with(__m512i lo, __m512i hi) { return _mm512_ternarylogic_epi32(_mm512_set1_epi32(0xF), lo, hi, 0xCA); }
 
-inline __m512 lane(__m512 v, int i) { return _mm512_permutexvar_ps(_mm512_set1_epi32(i), v); }
+// A vector's lanes as scalars in memory: broadcasting them from there takes the load ports, while a permute
+// per lane would queue behind the code permutes on the shuffle unit.
+struct Lanes {
+  alignas(64) float v[16];
+  explicit Lanes(__m512 x) {
+    _mm512_store_ps(v, x);
+    asm("" : "+m"(v));  // opaque to the compiler, which would otherwise turn the loads back into permutes
+  }
+  __m512 operator[](int i) const { return _mm512_set1_ps(v[i]); }
+};
 
 // Q4_K / Q5_K: d * scale of sub-blocks 0..7 in lanes 0..7, dmin * min in lanes 8..15 (get_scale_min_k4 for
 // all 16 at once: the scalar unpacking cost more than the block's multiply-adds)
@@ -45,8 +50,8 @@ inline __m512 k4_steps(const uint8_t* b) {
 }
 
 // the values of sub-block j's 16 codes from k4_steps: d * scale * q - dmin * min
-inline __m512 k4_table(__m512 steps, int j, __m512 codes) {
-  return _mm512_sub_ps(_mm512_mul_ps(codes, lane(steps, j)), lane(steps, 8 + j));
+inline __m512 k4_table(const Lanes& steps, int j, __m512 codes) {
+  return _mm512_sub_ps(_mm512_mul_ps(codes, steps[j]), steps[8 + j]);
 }
 
 template <int BLOCK, int BYTES>
@@ -74,9 +79,11 @@ struct VIQ4_NL : Blocks<32, 18> {
 
 struct VQ4_K : Blocks<256, 144> {
   template <class F> static inline void block(const uint8_t* b, F&& emit) {
-    const __m512 steps = k4_steps(b);
+    const Lanes steps(k4_steps(b));
+    #pragma GCC unroll 8
     for (int j = 0; j < 4; ++j) {
       const __m512 t1 = k4_table(steps, 2 * j, iota16()), t2 = k4_table(steps, 2 * j + 1, iota16());
+      #pragma GCC unroll 8
       for (int h = 0; h < 2; ++h) {
         const __m512i v = bytes16(b + 16 + 32 * j + 16 * h);
         emit(64 * j + 16 * h, _mm512_permutexvar_ps(v, t1));
@@ -88,12 +95,14 @@ struct VQ4_K : Blocks<256, 144> {
 
 struct VQ5_K : Blocks<256, 176> {
   template <class F> static inline void block(const uint8_t* b, F&& emit) {
-    const __m512 steps = k4_steps(b);
+    const Lanes steps(k4_steps(b));
     __m512i qh[2] = {bytes16(b + 16), bytes16(b + 32)};  // shifted right 2 bits a pass: bits 0, 1 are current
     const __m512 hi16 = _mm512_add_ps(iota16(), _mm512_set1_ps(16.f));
+    #pragma GCC unroll 8
     for (int j = 0; j < 4; ++j) {
       const __m512 lo1 = k4_table(steps, 2 * j, iota16()), hi1 = k4_table(steps, 2 * j, hi16);
       const __m512 lo2 = k4_table(steps, 2 * j + 1, iota16()), hi2 = k4_table(steps, 2 * j + 1, hi16);
+      #pragma GCC unroll 8
       for (int h = 0; h < 2; ++h) {
         const __m512i v = bytes16(b + 48 + 32 * j + 16 * h);
         // 5-bit codes: the permute reads bits 0..4 (bit 4 picks the upper table)
@@ -111,14 +120,16 @@ struct VQ6_K : Blocks<256, 210> {
   template <class F> static inline void block(const uint8_t* b, F&& emit) {
     const __m512i m30 = _mm512_set1_epi32(0x30), m32 = _mm512_set1_epi32(32);
     // d * scale for the 16 runs of 16 weights
-    const __m512 steps = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))),
-                                       _mm512_set1_ps(f16(b + 208)));
+    const Lanes steps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))),
+                                    _mm512_set1_ps(f16(b + 208))));
     auto value = [&](__m512i low, __m512i high, int run) {  // (d * scale) * (q - 32), q = low | high bits 4, 5
       const __m512i q = nibble_with(low, _mm512_and_si512(high, m30));
-      return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q, m32)), lane(steps, run));
+      return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q, m32)), steps[run]);
     };
+    #pragma GCC unroll 8
     for (int n = 0; n < 2; ++n) {
       const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
+      #pragma GCC unroll 8
       for (int h = 0; h < 2; ++h) {
         const __m512i a = bytes16(ql + 16 * h), c = bytes16(ql + 32 + 16 * h), hq = bytes16(qh + 16 * h);
         emit(128 * n + 16 * h, value(a, _mm512_slli_epi32(hq, 4), 8 * n + h));
@@ -140,10 +151,11 @@ struct VIQ4_XS : Blocks<256, 136> {
     const __m512i high = _mm512_srlv_epi32(_mm512_set1_epi32(h), _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0));
     const __m512i ls = _mm512_or_si512(_mm512_and_si512(low, _mm512_set1_epi32(0xF)),
                                        _mm512_slli_epi32(_mm512_and_si512(high, _mm512_set1_epi32(3)), 4));
-    const __m512 steps = _mm512_mul_ps(_mm512_set1_ps(f16(b)), _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32))));
+    const Lanes steps(_mm512_mul_ps(_mm512_set1_ps(f16(b)), _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32)))));
     const __m512 levels = iq4_levels();
+    #pragma GCC unroll 8
     for (int ib = 0; ib < 8; ++ib) {
-      const __m512 tbl = _mm512_mul_ps(levels, lane(steps, ib));
+      const __m512 tbl = _mm512_mul_ps(levels, steps[ib]);
       const __m512i v = bytes16(b + 8 + 16 * ib);
       emit(32 * ib, _mm512_permutexvar_ps(v, tbl));
       emit(32 * ib + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tbl));
@@ -151,102 +163,8 @@ struct VIQ4_XS : Blocks<256, 136> {
   }
 };
 
-// sums[m] = x[m] . row for MB activation rows ldx apart. With few rows, A accumulators per row keep enough
-// independent FMA chains in flight (one chain waits 4 cycles per FMA).
-template <class V, int MB>
-inline void dot_rows(const uint8_t* row, int64_t K, const float* x, int64_t ldx, float* sums) {
-  constexpr int A = MB >= 4 ? 1 : 4 / MB;
-  __m512 acc[MB][A];
-  for (int m = 0; m < MB; ++m)
-    for (int a = 0; a < A; ++a) acc[m][a] = _mm512_setzero_ps();
-  for (int64_t blk = 0; blk < K / V::kBlock; ++blk) {
-    const uint8_t* bp = row + blk * V::kBytes;
-    if (V::kBytes >= 64 || (blk * V::kBytes) % 64 < V::kBytes)  // about one prefetch per 64-byte line
-      for (int o = 0; o < V::kBytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(bp) + kGemvPrefetch + o, _MM_HINT_T0);
-    const float* xb = x + blk * V::kBlock;
-    V::block(bp, [&](int e, __m512 w) {
-      for (int m = 0; m < MB; ++m) acc[m][(e / 16) % A] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xb + m * ldx + e), acc[m][(e / 16) % A]);
-    });
-  }
-  for (int m = 0; m < MB; ++m) {
-    for (int a = 1; a < A; ++a) acc[m][0] = _mm512_add_ps(acc[m][0], acc[m][a]);
-    sums[m] = _mm512_reduce_add_ps(acc[m][0]);
-  }
-}
-
 #pragma GCC pop_options
-
-template <class V>
-inline void dot_group(int64_t mb, const uint8_t* row, int64_t K, const float* x, int64_t ldx, float* sums) {
-  switch (mb) {
-    case 1: return dot_rows<V, 1>(row, K, x, ldx, sums);
-    case 2: return dot_rows<V, 2>(row, K, x, ldx, sums);
-    case 3: return dot_rows<V, 3>(row, K, x, ldx, sums);
-    case 4: return dot_rows<V, 4>(row, K, x, ldx, sums);
-    case 5: return dot_rows<V, 5>(row, K, x, ldx, sums);
-    case 6: return dot_rows<V, 6>(row, K, x, ldx, sums);
-    case 7: return dot_rows<V, 7>(row, K, x, ldx, sums);
-    default: return dot_rows<V, 8>(row, K, x, ldx, sums);
-  }
-}
-
-// sums[m] = x[m] . row for mb <= 8 activation rows, the row's blocks of `type` read once.
-inline void dot_packed(int64_t type, int64_t mb, const uint8_t* row, int64_t K, const float* x, int64_t ldx, float* sums) {
-  switch (type) {
-    case Q4_0: return dot_group<VQ4_0>(mb, row, K, x, ldx, sums);
-    case IQ4_NL: return dot_group<VIQ4_NL>(mb, row, K, x, ldx, sums);
-    case Q4_K: return dot_group<VQ4_K>(mb, row, K, x, ldx, sums);
-    case Q5_K: return dot_group<VQ5_K>(mb, row, K, x, ldx, sums);
-    case Q6_K: return dot_group<VQ6_K>(mb, row, K, x, ldx, sums);
-    case IQ4_XS: return dot_group<VIQ4_XS>(mb, row, K, x, ldx, sums);
-  }
-  layout(type);
-}
-#else
-// Without AVX-512: each block decoded exactly into a small buffer, then dotted with the rows (the compiler
-// vectorises both loops for what this machine has, AVX2 or less).
-inline void dot_packed(int64_t type, int64_t mb, const uint8_t* row, int64_t K, const float* x, int64_t ldx, float* sums) {
-  const Layout l = layout(type);
-  alignas(64) float w[256];
-  for (int64_t m = 0; m < mb; ++m) sums[m] = 0.f;
-  for (int64_t blk = 0; blk < K / l.block; ++blk) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + blk * l.bytes) + kGemvPrefetch, _MM_HINT_T0);
-    decode_block(type, row + blk * l.bytes, w);
-    for (int64_t m = 0; m < mb; ++m) {
-      const float* xb = x + m * ldx + blk * l.block;
-      float s = 0.f;
-      for (int64_t e = 0; e < l.block; ++e) s += w[e] * xb[e];
-      sums[m] += s;
-    }
-  }
-}
 #endif
-
-// y [M, N] = x [M, K] @ W^T for a packed W (bytes + segment table, see kquants.h); x, y float32 contiguous.
-void linear_packed(torch::Tensor x, torch::Tensor bytes, torch::Tensor table, torch::Tensor y) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be float32 [M, K] contiguous");
-  TORCH_CHECK(bytes.dtype() == torch::kUInt8 && bytes.is_contiguous(), "packed bytes must be contiguous uint8");
-  const int64_t M = x.size(0), K = x.size(1);
-  const Segments seg(table, K, bytes.numel());
-  const int64_t N = seg.rows;
-  TORCH_CHECK(y.dtype() == torch::kFloat32 && y.is_contiguous() && y.size(0) == M && y.size(1) == N, "y must be float32 [M, N]");
-  const uint8_t* base = bytes.data_ptr<uint8_t>();
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
-    int64_t s = seg.find(lo);
-    for (int64_t n = lo; n < hi; ++n) {
-      while (n >= seg.t[4 * s + 2]) ++s;
-      const uint8_t* row = seg.row(base, s, n, K);
-      for (int64_t m0 = 0; m0 < M; m0 += 8) {
-        const int64_t mb = std::min<int64_t>(8, M - m0);
-        float sums[8];
-        dot_packed(seg.type(s), mb, row, K, xp + m0 * K, K, sums);
-        for (int64_t m = 0; m < mb; ++m) yp[(m0 + m) * N + n] = sums[m];
-      }
-    }
-  });
-}
 
 }  // namespace kq
 }  // namespace deltaserve
