@@ -79,10 +79,14 @@ def _add_make_model_args(p: argparse.ArgumentParser):
     # deltaserve.convert's names, written out: importing them would import torch (a test keeps them equal)
     p.add_argument("--arch", required=True, choices=("kimi-linear", "qwen35", "qwen35moe", "qwen3next"),
                    help="GGUF architecture")
-    p.add_argument("--preset", choices=("tiny", "small", "0.8b"), default="tiny",
-                   help="tiny: test sizes; 0.8b: Qwen3.5-0.8B's shapes (Qwen); small: ~90M parameters "
+    p.add_argument("--preset", choices=("tiny", "tiny256", "small", "0.8b"), default="tiny",
+                   help="tiny: test sizes; tiny256: test sizes with rows of whole 256-weight blocks (Qwen; "
+                        "K-quants apply); 0.8b: Qwen3.5-0.8B's shapes (Qwen); small: ~90M parameters "
                         "(kimi-linear) (default: tiny)")
     p.add_argument("--dtype", choices=("f16", "f32", "q8_0"), default="f16", help="GGUF file type (default: f16)")
+    p.add_argument("--quantize", choices=("Q4_0", "Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "BF16"),
+                   help="then quantise the f16 / f32 file with llama.cpp's quantiser, as downloads are made "
+                        "(needs llama-cpp-python); it picks each tensor's type itself")
     p.add_argument("out", type=Path, help="GGUF file to write")
     p.add_argument("--seed", type=_int(0, 2**32 - 1), default=0, help="random seed (default: 0)")
     p.add_argument("--hf-dir", type=Path, default=None,
@@ -192,10 +196,15 @@ def cmd_make_model(args):
         print(f"\r{line}", end="", file=sys.stderr, flush=True)
 
     made = make_model(args.arch, args.preset, args.dtype, args.out, seed=args.seed, hf_dir=args.hf_dir,
-                      progress=progress)
+                      progress=progress, quantize=args.quantize)
     size = made.gguf_path.stat().st_size
     print(f"\nwrote {made.gguf_path} ({size / 2**20:.1f} MiB, vocab {made.config.vocab_size})"
           + (f" and {made.hf_dir}" if made.hf_dir else ""), file=sys.stderr)
+    if args.quantize:
+        from deltaserve.convert import tensor_types
+
+        counts = ", ".join(f"{n} {t}" for t, n in tensor_types(made.gguf_path).items())
+        print(f"{args.quantize} as llama.cpp made it: {counts} tensors", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:

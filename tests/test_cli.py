@@ -76,7 +76,8 @@ def test_make_model_choices_are_the_makers():
     commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     maker = commands.choices["make-model"]
     choices = {a.dest: set(a.choices) for a in maker._actions if a.choices}
-    assert choices == {"arch": set(convert.PRESETS), "preset": set(presets.PRESET_NAMES), "dtype": set(convert.DTYPES)}
+    assert choices == {"arch": set(convert.PRESETS), "preset": set(presets.PRESET_NAMES), "dtype": set(convert.DTYPES),
+                       "quantize": set(convert.QUANTIZE_TYPES)}
     assert {name for arch in convert.PRESETS.values() for name in arch} == set(presets.PRESET_NAMES)
 
 

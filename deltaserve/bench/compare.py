@@ -5,7 +5,9 @@
 
 Each engine runs in its own worker process (so its peak RSS is its own), alternating, for several
 repetitions. Measured: prefill tokens/s at 512 and 2048 prompt tokens, decode tokens/s (64 greedy tokens
-after a 512-token prompt), peak RSS; the table shows medians and the ratios deltaserve / llama.cpp.
+after a 512-token prompt), peak RSS; the table shows medians and the ratios deltaserve / llama.cpp. Below it:
+which of our decode kernels read how much of the weights, the GB/s our decode GEMVs alone stream them at
+(a token through every matmul weight), and the machine's memory bandwidth by a 1 GiB torch copy.
 Both do the same work: llama-cpp-python's Llama keeps no prefix states (without a LlamaCache), so
 deltaserve's prefix checkpoints are off unless --cache-mb gives them a budget.
 """
@@ -58,7 +60,66 @@ def _worker_deltaserve(args) -> dict:
         token = int(logits[0].argmax())
         logits = runner.forward([0], [[token]])
     out["decode"] = args.decode / (time.perf_counter() - t)
+    out["kernels"] = _kernels(llm.model)
+    out["gemv_gbps"] = _gemv_gbps(llm.model)
     return out
+
+
+def _matmul_weights(model) -> list:
+    """The weights a decode step streams through linear(): every Linear's and the output head's (the tied
+    embedding where there is no lm_head). MoE experts are left out: a token reads only its top-k."""
+    from deltaserve.models.layers import Linear
+
+    head = model.embed.weight if model.lm_head is None else None
+    return [m.weight for m in model.modules() if isinstance(m, Linear)] + ([head] if head is not None else [])
+
+
+def _kernels(model) -> str:
+    """Which decode kernel reads how many MB of the weights, by storage form."""
+    from deltaserve.models import packed
+
+    names = {"uint8": "linear_packed", "int8": "linear_q8", "float16": "linear_f16"}
+    mb, types = {}, {}
+    for w in _matmul_weights(model):
+        kernel = names.get(str(w.dtype).removeprefix("torch."), f"torch ({str(w.dtype).removeprefix('torch.')})")
+        mb[kernel] = mb.get(kernel, 0) + w.nbytes / 1e6
+        if packed.is_packed(w):
+            types.setdefault(kernel, set()).update(t.name for t, _ in w.packing.segments)
+    return ", ".join(f"{k} {v:,.0f} MB" + (f" ({'/'.join(sorted(types[k]))})" if k in types else "")
+                     for k, v in sorted(mb.items(), key=lambda kv: -kv[1]))
+
+
+def _gemv_gbps(model, passes: int = 5) -> float:
+    """GB/s at which the decode GEMVs alone stream the weights: one token through every matmul weight, timed."""
+    import torch
+
+    from deltaserve.models.layers import linear
+    from deltaserve.models import packed
+
+    weights = _matmul_weights(model)
+    inputs = [torch.randn(1, w.packing.shape[-1] if packed.is_packed(w) else w.shape[-1]) for w in weights]
+    best = float("inf")
+    for _ in range(passes):  # the best pass: other processes only ever slow one down
+        t = time.perf_counter()
+        for w, x in zip(weights, inputs):
+            linear(x, w)
+        best = min(best, time.perf_counter() - t)
+    return sum(w.nbytes for w in weights) / best / 1e9
+
+
+def _worker_bandwidth(args) -> dict:
+    """This machine's memory bandwidth as torch sees it: copies of a 1 GiB tensor, bytes read + written."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    a = torch.ones(1 << 28)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t)
+    return {"copy_gbps": 2 * a.nbytes / best / 1e9}
 
 
 def _worker_llama(args) -> dict:
@@ -114,11 +175,12 @@ def main(argv=None):
                    help="deltaserve's prefix-checkpoint budget (default 0: off, as llama-cpp-python's Llama keeps "
                         "no prefix states without a LlamaCache, so both engines do the same work)")
     p.add_argument("--json", help="write the results here as JSON")
-    p.add_argument("--worker", choices=["deltaserve", "llama.cpp"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["deltaserve", "llama.cpp", "bandwidth"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.worker:
-        result = (_worker_deltaserve if args.worker == "deltaserve" else _worker_llama)(args)
+        workers = {"deltaserve": _worker_deltaserve, "llama.cpp": _worker_llama, "bandwidth": _worker_bandwidth}
+        result = workers[args.worker](args)
         result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps(result))
         return
@@ -140,9 +202,15 @@ def main(argv=None):
         if len(engines) > 1:
             row += f"{median['deltaserve'][m] / median['llama.cpp'][m]:>11.2f}x"
         print(row)
+    gemv = statistics.median(r["gemv_gbps"] for r in runs["deltaserve"])
+    copy = _run_worker("bandwidth", args)["copy_gbps"]
+    print(f"deltaserve decode kernels: {runs['deltaserve'][-1]['kernels']}")
+    print(f"deltaserve decode GEMVs alone: {gemv:,.1f} GB/s of weights; a 1 GiB torch copy here: {copy:,.1f} GB/s "
+          f"(read + write)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "threads": args.threads, "runs": runs, "median": median}, f, indent=2)
+            json.dump({"model": args.model, "threads": args.threads, "runs": runs, "median": median,
+                       "copy_gbps": copy}, f, indent=2)
         print(f"wrote {args.json}")
 
 

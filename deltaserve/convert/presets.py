@@ -9,6 +9,7 @@ those values, written through the family's weight table like llama.cpp's convert
 from __future__ import annotations
 
 import math
+import os
 import time
 import zlib
 from collections.abc import Callable, Mapping
@@ -24,8 +25,9 @@ from deltaserve.tokenizer import Tokenizer, train_bpe
 
 from . import templates
 from .files import DTYPES, TensorDict, family, write_gguf, write_hf_dir
+from .quantize import QUANTIZE_TYPES, quantize_gguf
 
-PRESET_NAMES = ("tiny", "small", "0.8b")  # each architecture has some of these
+PRESET_NAMES = ("tiny", "tiny256", "small", "0.8b")  # each architecture has some of these
 
 EMBEDDING_STD = 0.02
 
@@ -64,6 +66,10 @@ def _kimi(vocab: int, *, hidden: int, layers: int, heads: int, head_dim: int, kv
 # model (Qwen/Qwen3.5-0.8B config.json); its MoE twin keeps the trunk with 8 experts of 512 (2 used).
 _TINY = dict(hidden=96, layers=4, heads=6, kv_heads=2, head_dim=64, key_heads=3, value_heads=6, gdn_head_dim=32)
 _TINY_MOE = _TINY | dict(experts=6, experts_used=2, expert_ffn=64, shared_ffn=160, tied=False)
+# tiny256: as small, but every row a whole number of 256-weight blocks, so llama.cpp's K-quants and IQ4_XS apply
+# (tiny's 96-wide rows fall back to Q5_0 / Q8_0); 2 key heads over 4 value heads keep the head reorders.
+_TINY256 = dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, key_heads=2, value_heads=4, gdn_head_dim=64)
+_TINY256_MOE = _TINY256 | dict(experts=4, experts_used=2, expert_ffn=256, shared_ffn=256, tied=False)
 _08B = dict(hidden=1024, layers=24, heads=8, kv_heads=2, head_dim=256, key_heads=16, value_heads=16, gdn_head_dim=128)
 _MOE_08B = _08B | dict(experts=8, experts_used=2, expert_ffn=512, shared_ffn=512)
 # Kimi: 4 layers (3 KDA, then MLA) with every row a multiple of 32; small: ~90M parameters with
@@ -76,10 +82,13 @@ _KIMI_SMALL = dict(hidden=512, layers=8, heads=4, head_dim=128, kv_lora_rank=512
 # architecture -> preset -> (fixed vocabulary or None for the tokenizer's, config of a vocabulary)
 PRESETS: dict[str, dict[str, tuple[int | None, Callable[[int], object]]]] = {
     "qwen35": {"tiny": (None, lambda v: _qwen("qwen35", v, **_TINY, intermediate=160)),
+               "tiny256": (None, lambda v: _qwen("qwen35", v, **_TINY256, intermediate=512)),
                "0.8b": (248320, lambda v: _qwen("qwen35", v, **_08B, intermediate=3584))},
     "qwen35moe": {"tiny": (None, lambda v: _qwen("qwen35moe", v, **_TINY_MOE)),
+                  "tiny256": (None, lambda v: _qwen("qwen35moe", v, **_TINY256_MOE)),
                   "0.8b": (248320, lambda v: _qwen("qwen35moe", v, **_MOE_08B))},
     "qwen3next": {"tiny": (None, lambda v: _qwen("qwen3next", v, **_TINY_MOE, intermediate=160)),
+                  "tiny256": (None, lambda v: _qwen("qwen3next", v, **_TINY256_MOE, intermediate=512)),
                   "0.8b": (151936, lambda v: _qwen("qwen3next", v, **_MOE_08B, intermediate=3584))},
     "kimi-linear": {"tiny": (None, lambda v: _kimi(v, **_KIMI_TINY)),
                     "small": (None, lambda v: _kimi(v, **_KIMI_SMALL))},
@@ -199,13 +208,18 @@ class MadeModel:
 
 
 def make_model(arch: str, preset: str, dtype: str, out_path: str | Path, seed: int = 0,
-               hf_dir: str | Path | None = None, progress: Callable[[str], None] | None = None) -> MadeModel:
+               hf_dir: str | Path | None = None, progress: Callable[[str], None] | None = None,
+               quantize: str | None = None) -> MadeModel:
     """Write a random-weight GGUF of `arch` ("qwen35", "qwen35moe", "qwen3next", "kimi-linear") at `preset`
     (see PRESETS) and `dtype` ("f32", "f16", "q8_0") to `out_path`, and with `hf_dir` the same weights as a
     Hugging Face directory (config.json, model.safetensors, tokenizer files). The same arguments and seed
-    give the same weights whatever the dtype."""
+    give the same weights whatever the dtype. With `quantize` (a QUANTIZE_TYPES name: "Q4_K_M", "IQ4_XS",
+    ...) the f32 / f16 file is then quantised by llama.cpp's quantiser (llama-cpp-python must be installed)."""
     if dtype not in DTYPES:
         raise DeltaserveError(f"unknown dtype '{dtype}' (known: {', '.join(DTYPES)})")
+    if quantize is not None and (quantize not in QUANTIZE_TYPES or dtype == "q8_0"):
+        raise DeltaserveError(f"quantize must be one of {', '.join(QUANTIZE_TYPES)}, from an f32 or f16 file; "
+                              f"got {quantize!r} from {dtype}")
     tokenizer = train_tokenizer(arch=arch)
     config = preset_config(arch, preset, tokenizer.vocab_size)
     start = time.monotonic()
@@ -215,7 +229,19 @@ def make_model(arch: str, preset: str, dtype: str, out_path: str | Path, seed: i
             progress(f"{arch} {preset} {dtype}: {done}/{total} tensors, {time.monotonic() - start:.1f}s")
 
     weights = RandomWeights(config, seed, tokenizer.vocab_size, report)
-    write_gguf(out_path, config, weights, tokenizer, dtype, name=f"deltaserve random {arch} {preset}")
+    out_path = Path(out_path)
+    source = out_path.with_name(out_path.name + f".{dtype}.part") if quantize else out_path
+    try:
+        write_gguf(source, config, weights, tokenizer, dtype, name=f"deltaserve random {arch} {preset}")
+        if quantize:
+            if progress:
+                progress(f"{arch} {preset}: quantising to {quantize} with llama.cpp")
+            part = out_path.with_name(out_path.name + ".part")
+            quantize_gguf(source, part, quantize)
+            os.replace(part, out_path)
+    finally:
+        if quantize:
+            source.unlink(missing_ok=True)
     if hf_dir is not None:
         weights.progress = None
         write_hf_dir(hf_dir, config, weights, tokenizer)

@@ -4,7 +4,7 @@ Each block decoder reads `[n, type_size]` uint8 blocks and writes `[n, block_siz
 element order, into a slice of the preallocated output (no per-chunk float temporaries: on a
 loaded machine fresh allocations cost more than the arithmetic). Layouts follow ggml's `block_*`
 structs; products are taken in the order of ggml's reference dequantisers, so results match
-them bit for bit.
+them bit for bit. Types not listed here (the IQ1/IQ2/IQ3 grids, TQ*, NVFP4) are refused by name.
 """
 
 import math
@@ -108,9 +108,72 @@ def _q6_k(b, out):  # ql[128] | qh[64] | scales int8[16] | d f16
     out.view(-1, 16, 16).copy_((low | (high << 4)).view(-1, 16, 16)).sub_(32).mul_(step)
 
 
+def _q2_k(b, out):  # scales[16] (4-bit scale | 4-bit min) | qs[64] | d f16 | dmin f16
+    # Each 128-element half reads its 32 qs bytes four times (2 bits each, shift 2j): elements
+    # 32j + l of a half are bits 2j of byte l; every 16 elements take the next scale byte.
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
+    q = (b[:, 16:80].reshape(-1, 2, 1, 32) >> shifts) & 3  # [n, 2, 4, 32]
+    sc = b[:, :16]
+    step = (_f16_at(b, 80) * (sc & 0xF).float()).unsqueeze(-1)  # [n, 16, 1]
+    offset = (_f16_at(b, 82) * (sc >> 4).float()).unsqueeze(-1)
+    out.view(-1, 16, 16).copy_(q.view(-1, 16, 16)).mul_(step).sub_(offset)
+
+
+def _q3_k(b, out):  # hmask[32] | qs[64] | scales[12] | d f16: y = d * (scale - 32) * (q - 4 * !hbit)
+    # Low 2 bits as in Q2_K; the third bit of element 32g + l is bit g of hmask byte l, and a set
+    # bit means no offset (q - 0), a clear one q - 4. Six-bit scales: the low nibbles are bytes 0..7
+    # (low nibbles for scales 0..7, high for 8..15), the top 2 bits of scale i are bits 2 (i // 4)
+    # of byte 8 + i % 4.
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
+    low = ((b[:, 32:96].reshape(-1, 2, 1, 32) >> shifts) & 3).view(-1, 8, 32)
+    bit = torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)
+    offset = (((b[:, :32].unsqueeze(1) >> bit) & 1) ^ 1) << 2  # [n, 8, 32]
+    s = b[:, 96:108]
+    nibbles = torch.cat([s[:, :8] & 0xF, s[:, :8] >> 4], dim=-1)
+    top = ((s[:, 8:12].unsqueeze(1) >> shifts.view(1, 4, 1)) & 3).reshape(-1, 16)
+    scale = (nibbles | (top << 4)).float().sub_(32)
+    step = (_f16_at(b, 108) * scale).unsqueeze(-1)  # [n, 16, 1]
+    out.view(-1, 8, 32).copy_(low).sub_(offset)
+    out.view(-1, 16, 16).mul_(step)
+
+
+# IQ4's 16 non-uniform levels (kvalues_iq4nl) and MXFP4's e2m1 values doubled (kvalues_mxfp4).
+_IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+_FP4_LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def _levels(values: tuple[int, ...], codes: torch.Tensor) -> torch.Tensor:
+    """The float32 level of each 4-bit code."""
+    return torch.tensor(values, dtype=torch.float32, device=codes.device)[codes.long()]
+
+
+def _iq4_nl(b, out):  # d f16 | qs[16]: y = d * level(q)
+    out.copy_(_levels(_IQ4_LEVELS, _nibbles(b[:, 2:18]))).mul_(_f16_at(b, 0))
+
+
+def _iq4_xs(b, out):  # d f16 | scales_h u16 | scales_l[4] | qs[128]: y = d * (scale - 32) * level(q)
+    # Sub-block i (32 elements): low 4 scale bits in nibble i of scales_l, top 2 in bits 2i of
+    # scales_h; its 16 qs bytes hold elements 0..15 (low nibbles) and 16..31 (high nibbles).
+    low = torch.cat([b[:, 4:8, None] & 0xF, b[:, 4:8, None] >> 4], dim=-1).reshape(-1, 8)
+    shifts = torch.arange(0, 16, 2, dtype=torch.int32, device=b.device)
+    high = (b.view(torch.int16)[:, 1:2].int() >> shifts) & 3  # [n, 8]
+    scale = (low.int() | (high << 4)).float().sub_(32)
+    step = (_f16_at(b, 0) * scale).unsqueeze(-1)  # [n, 8, 1]
+    qs = b[:, 8:136].reshape(-1, 8, 16)
+    out.view(-1, 8, 32).copy_(_levels(_IQ4_LEVELS, torch.cat([qs & 0xF, qs >> 4], dim=-1))).mul_(step)
+
+
+def _mxfp4(b, out):  # e (E8M0 exponent) | qs[16]: y = level(q) * 2^(e - 128), levels doubled
+    # ggml's GGML_E8M0_TO_FP32_HALF: exponents 0 and 1 give the subnormals 2^-128 and 2^-127.
+    e = b[:, 0:1].int()
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    out.copy_(_levels(_FP4_LEVELS, _nibbles(b[:, 1:17]))).mul_(bits.view(torch.float32))
+
+
 _DECODERS = {
-    Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0,
-    Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k, Q.Q8_K: _q8_k,
+    Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0, Q.Q2_K: _q2_k, Q.Q3_K: _q3_k,
+    Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k, Q.Q8_K: _q8_k, Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs,
+    Q.MXFP4: _mxfp4,
 }
 SUPPORTED_TYPES = frozenset(_FLOAT_TYPES) | frozenset(_DECODERS)
 

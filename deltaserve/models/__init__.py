@@ -25,9 +25,10 @@ def load_model(ckpt, dtype=None, device="cpu", weight_dtype=None, kv_dtype=None)
     """The model of an opened checkpoint (deltaserve.loader.open_checkpoint), weights on `device`.
 
     dtype: the activations' dtype (default float32). weight_dtype: how matmul weights are stored; by default,
-    with float32 activations, as the file stores them where that is lossless: Q8_0 (torch.int8, see
-    layers.quantize_q8) for a Q8_0 file, float16 for other 16-bit or quantised files (lossless for F16, and
-    for other quantisations a rounding far below their own); else `dtype`. kv_dtype: the KV cache's; by
+    with float32 activations, as the file stores them: for a quantised file (torch.int8, see common._file_form)
+    its GGML blocks where our kernels read the type (Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0, IQ4_NL; models/packed.py),
+    Q8_0 as int8 + scales (layers.quantize_q8), other quantisations widened to float16 (a rounding far below
+    their own); float16 for 16-bit files; else `dtype`. kv_dtype: the KV cache's; by
     default float16 beside weights stored in 16 or 8 bits with float32 activations (llama.cpp's default
     cache type: half the memory of float32 keys and values), else `dtype`."""
     import torch
@@ -42,15 +43,17 @@ def load_model(ckpt, dtype=None, device="cpu", weight_dtype=None, kv_dtype=None)
 
 
 def _stored_dtype(ckpt):
-    """How to keep the matmul weights, judged by the file's embedding (the largest one)."""
+    """How to keep the matmul weights: in the file's own form (torch.int8) if any tensor is quantised, else
+    judged by the file's embedding (the largest tensor)."""
     import gguf
     import torch
 
     Q = gguf.GGMLQuantizationType
     if not (hasattr(ckpt, "metadata") and ckpt.has("token_embd.weight")):
         return torch.float32
-    qtype = ckpt.qtype("token_embd.weight")
-    return torch.float32 if qtype in (Q.F32, Q.F64) else torch.int8 if qtype == Q.Q8_0 else torch.float16
+    if any(ckpt.qtype(n) not in (Q.F32, Q.F64, Q.F16, Q.BF16) for n in ckpt.names()):
+        return torch.int8
+    return torch.float32 if ckpt.qtype("token_embd.weight") in (Q.F32, Q.F64) else torch.float16
 
 
 __all__ = ["ARCHITECTURES", "FAMILIES", "HybridModel", "KimiConfig", "KimiModel", "QwenConfig", "QwenModel",

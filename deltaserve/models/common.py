@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from deltaserve.models.state import HybridState
 from deltaserve.errors import DeltaserveError, ModelLoadError
 from deltaserve.loader.gguf_file import progress_bar
 from deltaserve.loader.memory import loading_memory, weight_empty
+from deltaserve.models import packed
 from deltaserve.models.layers import Experts, Linear, linear, quantize_q8
+from deltaserve.models.weights import chosen, load_params, names
 
 
 def build(cls, ckpt, *, dtype: torch.dtype, device, weight_dtype: torch.dtype | None,
@@ -20,51 +24,79 @@ def build(cls, ckpt, *, dtype: torch.dtype, device, weight_dtype: torch.dtype | 
     """An instance of HybridModel subclass `cls` from an opened checkpoint: a GGUF file (has `.metadata`) or
     a transformers directory (has `.config`), read by the family's config class and weight table.
     Parameters whose names end with `cls.keep_fp32` stay float32; the others are stored in `weight_dtype`
-    (default `dtype`, the dtype the activations are computed in). weight_dtype=torch.int8 stores the matmul
-    weights in Q8_0 form where their values are exactly that (a Q8_0 file's), the others in float16 where
-    that is exact, else float32: no value changes."""
-    from deltaserve.models.weights import load_params
-
-    gguf = getattr(ckpt, "metadata", None) is not None
+    (default `dtype`, the dtype the activations are computed in). weight_dtype=torch.int8 keeps the matmul
+    weights in the file's own form (see _file_form): no value of a float or Q8_0 tensor changes."""
     layers, root = layers_in_file(ckpt), "model."
-    if gguf:
+    if getattr(ckpt, "metadata", None) is not None:
         vocab = ckpt.shape("token_embd.weight")[0] if ckpt.has("token_embd.weight") else None
         config = cls.config_class.from_gguf(ckpt.metadata, str(ckpt.path), vocab_size=vocab, max_layers=layers,
                                             tie_word_embeddings=not ckpt.has("output.weight"))
-        table = cls.weight_table(config)
+        table, fmt = cls.weight_table(config), "gguf"
     else:
         config = cls.config_class.from_hf(ckpt.config, str(ckpt.path), max_layers=layers)
         root = "model.language_model." if ckpt.has("model.language_model.embed_tokens.weight") else "model."
-        table = cls.weight_table(config, hf_root=root)
-    check_tensors(table, ckpt, "gguf" if gguf else "hf", config, hf_root=root)
-    weights = load_params(table, ckpt, "gguf" if gguf else "hf")
+        table, fmt = cls.weight_table(config, hf_root=root), "hf"
+    check_tensors(table, ckpt, fmt, config, hf_root=root)
     with torch.device("meta"):  # before loading: int8 weights cannot require gradients
         model = cls(config, compute_dtype=dtype, cache_dtype=kv_dtype).requires_grad_(False)
     stored = weight_dtype or dtype
     keep = {name for name, _ in model.named_parameters() if name.endswith(cls.keep_fp32)}
-    q8, exact = set(), stored == torch.int8  # Q8_0 mode: no value may change
-    if exact:  # only weights that linear() / embed_tokens() read may take the Q8_0 form
+    file_form = stored == torch.int8
+    matmul = set()
+    if file_form:  # only weights that linear() / embed_tokens() read may stay quantised
         stored = torch.float16
-        q8 = ({f"{m}.weight" for m, mod in model.named_modules() if isinstance(mod, Linear)} | {"embed.weight"}
-              | {f"{m}.{w}" for m, mod in model.named_modules() if isinstance(mod, Experts) for w in ("gate_up", "down")})
-        q8 = q8 - keep if torch.device(device).type == "cpu" else set()  # the Q8_0 kernels are CPU ones
+        matmul = ({f"{m}.weight" for m, mod in model.named_modules() if isinstance(mod, Linear)} | {"embed.weight"}
+                  | {f"{m}.{w}" for m, mod in model.named_modules() if isinstance(mod, Experts) for w in ("gate_up", "down")})
+        matmul = matmul - keep if torch.device(device).type == "cpu" else set()  # their kernels are CPU ones
     params = {}
     total = sum(p.numel() * (4 if n in keep else stored.itemsize) for n, p in model.named_parameters())
     with progress_bar(total, f"loading {Path(ckpt.path).name}") as bar, loading_memory():
-        for name, t in weights:  # one tensor at a time: the file's copy is never held whole
-            packed = quantize_q8(t) if name in q8 else None
-            if packed is not None:
-                params[name] = packed
-            elif name in keep or (exact and not _fits(t, stored)):
-                params[name] = _store(t, torch.float32, device)
+        for p in table:  # one tensor at a time: the file's copy is never held whole
+            if file_form and p.name not in keep:
+                params[p.name] = _file_form(p, ckpt, fmt, p.name in matmul, device)
             else:
-                params[name] = _store(t, stored, device)
-            bar.update(params[name].numel() * (4 if name in keep else stored.itemsize))
+                (_, t), = load_params([p], ckpt, fmt)
+                params[p.name] = _store(t, torch.float32 if p.name in keep else stored, device)
+            bar.update(math.prod(model.get_parameter(p.name).shape) * (4 if p.name in keep else stored.itemsize))
+    _assign(model, params, ckpt)
+    return model.eval()
+
+
+def _file_form(p, ckpt, fmt: str, matmul: bool, device) -> torch.Tensor:
+    """Parameter `p` kept as the file stores it, where linear() reads that form (`matmul`): the file's GGML blocks
+    (models/packed.py) where the kernels read their types, else Q8_0 (int8 + scales) where the values are
+    exactly that; float16 where that is exact, or where the file holds it in a quantisation of 6 bits or fewer
+    (a rounding far below the quantisation's own; a Q8_0 file's values never change); else float32."""
+    layout = chosen(getattr(p, fmt), ckpt.has) if getattr(p, fmt) is not None else None
+    if matmul and layout is not None:
+        w = packed.read(layout, ckpt)
+        if w is not None:
+            return w
+    (_, t), = load_params([p], ckpt, fmt)
+    w = quantize_q8(t) if matmul else None
+    if w is not None:
+        return w
+    coarse = layout is not None and hasattr(ckpt, "qtype") and all(
+        ckpt.qtype(n) not in _EXACT_TYPES for n in names(layout))
+    return _store(t, torch.float16 if coarse or _fits(t, torch.float16) else torch.float32, device)
+
+
+_EXACT_TYPES = {Q.F32, Q.F16, Q.BF16, Q.F64, Q.Q8_0}  # tensors of these types keep their values exactly
+
+
+def _assign(model, params: dict[str, torch.Tensor], ckpt) -> None:
+    """Load params into the meta-device model; packed ones (whose shape is their bytes') are set directly."""
     missing = sorted(set(dict(model.named_parameters())) - set(params))
     if missing:  # a bug in the weight table, not in the file
         raise ModelLoadError(ckpt.path, f"internal weights not produced: {missing[:5]}")
-    model.load_state_dict(params, assign=True)
-    return model.eval()
+    packed_names = {n for n, w in params.items() if packed.is_packed(w)}
+    result = model.load_state_dict({n: w for n, w in params.items() if n not in packed_names}, assign=True,
+                                   strict=not packed_names)
+    if set(result.missing_keys) != packed_names or result.unexpected_keys:
+        raise ModelLoadError(ckpt.path, f"internal weights do not match the model: {result}")
+    for name in packed_names:
+        module, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(module), leaf, params[name])
 
 
 _LAYER = re.compile(r"^(?:blk|(?:.+\.)?layers)\.(\d+)\.")  # GGUF blk.N.*, transformers [...]layers.N.*

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.loader.memory import weight_empty
+from deltaserve.models import packed
 from deltaserve.ops import fused
 
 # Up to this many rows a float16 or Q8_0 weight goes through a fused kernel (decode: the weight streams
@@ -23,9 +24,12 @@ _DEQUANT_BYTES = 4 << 20  # a GEMM on a float16 / Q8_0 weight widens this much o
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) in x's dtype, whatever form the weight is stored in: x's dtype, float16 or Q8_0
-    (int8 with a `.scale`, see quantize_q8). The smaller forms keep a half or a quarter of the memory and
-    bandwidth of float32 ones while the activations, and so the result, stay float32."""
+    """x @ weight.T (+ bias) in x's dtype, whatever form the weight is stored in: x's dtype, float16, Q8_0
+    (int8 with a `.scale`, see quantize_q8) or a file's GGML blocks (see models/packed.py). The smaller forms
+    keep a half to an eighth of the memory and bandwidth of float32 ones while the activations, and so the
+    result, stay float32."""
+    if packed.is_packed(weight):
+        return packed.linear(x, weight, bias)
     if weight.dtype == x.dtype:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
@@ -52,6 +56,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The weight's values in `dtype`, whatever form it is stored in."""
+    if packed.is_packed(weight):
+        return packed.dequantize(weight, dtype)
     if weight.dtype != torch.int8:
         return weight.to(dtype)
     N, K = weight.shape
@@ -61,6 +67,8 @@ def dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def embed_tokens(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` of an embedding table stored in any form linear() takes, in `dtype`. [..., E]"""
+    if packed.is_packed(weight):
+        return packed.embed(weight, ids, dtype)
     rows = F.embedding(ids, weight).to(dtype)  # [..., E]
     if weight.dtype != torch.int8:
         return rows
@@ -315,7 +323,9 @@ def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.T
 
 def part(weight: torch.Tensor, index) -> torch.Tensor:
     """weight[index] in the same form: a Q8_0 matrix's part keeps its scales (an expert of stacked
-    matrices, a block of rows)."""
+    matrices, a block of rows); packed stacked matrices give their matrix `index` (an expert)."""
+    if packed.is_packed(weight):
+        return packed.part(weight, index)
     w = weight[index]
     if weight.dtype == torch.int8:
         w.scale = weight.scale[index]

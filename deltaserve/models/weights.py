@@ -34,13 +34,16 @@ class Fn:
     forward: Callable[[torch.Tensor], torch.Tensor]
     inverse: Callable[[torch.Tensor], torch.Tensor]
     name: str = "fn"
+    # Set when the map only reorders whole slices along this axis (0: rows, 1: columns) and works at any
+    # size of the other axes: weights kept in quantised blocks can then be reordered without decoding.
+    axis: int | None = None
 
     def __rshift__(self, then: Fn) -> Fn:
         """self, then `then` (the inverse runs the other way round)."""
         if self is IDENTITY or then is IDENTITY:
             return then if self is IDENTITY else self
         return Fn(lambda t: then.forward(self.forward(t)), lambda t: self.inverse(then.inverse(t)),
-                  f"{self.name} >> {then.name}")
+                  f"{self.name} >> {then.name}", self.axis if self.axis == then.axis else None)
 
 
 IDENTITY = Fn(lambda t: t, lambda t: t, "identity")
@@ -79,7 +82,7 @@ def tiled_heads(dim: int, H: int, r: int, head: int, start: int = 0) -> Fn:
 
     def tiled(t):
         return t.unflatten(dim, (H, r, head)).transpose(dim, dim + 1).flatten(dim, dim + 2)
-    return Fn(_on_slice(grouped, dim, start), _on_slice(tiled, dim, start), "tiled->grouped")
+    return Fn(_on_slice(grouped, dim, start), _on_slice(tiled, dim, start), "tiled->grouped", dim)
 
 
 def per_head(heads: int, sizes: Sequence[int], stop: int | None = None) -> Fn:
@@ -100,7 +103,7 @@ def per_head(heads: int, sizes: Sequence[int], stop: int | None = None) -> Fn:
         head, rest = t[:n], t[n:]
         parts = [p.reshape(heads, s, *t.shape[1:]) for p, s in zip(head.split([heads * s for s in sizes]), sizes)]
         return torch.cat([torch.cat(parts, dim=1).reshape(n, *t.shape[1:]), rest])
-    return Fn(grouped, interleaved, f"per_head({heads}, {sizes})")
+    return Fn(grouped, interleaved, f"per_head({heads}, {sizes})", 0)
 
 
 # -- layouts ----------------------------------------------------------------------------------------

@@ -24,8 +24,10 @@ _CSRC = Path(__file__).parent / "csrc"  # module.cpp includes the kernel headers
 @functools.cache
 def extension():
     source = b"".join(f.read_bytes() for f in sorted(_CSRC.iterdir()) if f.suffix in (".cpp", ".h"))
-    # -march=native code is only valid on this CPU: key the build by source, CPU and torch.
-    cpu = platform.processor() + _cpu_flags()
+    # -march=native code is only valid on this CPU: key the build by source, CPU and torch. DELTASERVE_MARCH
+    # builds for another target instead (x86-64-v3: the AVX2 paths, which tests run on AVX-512 machines).
+    march = os.environ.get("DELTASERVE_MARCH", "native")
+    cpu = platform.processor() + _cpu_flags() + ("" if march == "native" else march)
     tag = hashlib.sha256(source + cpu.encode() + torch.__version__.encode() + b"omp").hexdigest()[:12]
     build = Path(os.environ.get("DELTASERVE_CACHE", Path.home() / ".cache" / "deltaserve")) / f"cpu_kernels_{tag}"
     name = f"deltaserve_cpu_kernels_{tag}"
@@ -48,7 +50,7 @@ def extension():
     module = cpp_extension.load(
         name=name,
         sources=[str(_CSRC / "module.cpp")],
-        extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+        extra_cflags=["-O3", f"-march={march}", "-ffast-math", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
         build_directory=str(build),
         verbose=False,

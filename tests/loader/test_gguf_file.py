@@ -183,12 +183,12 @@ def test_progress_yields_names_in_order(ckpt, monkeypatch):
 
 
 def test_unsupported_tensor_type_is_named(tmp_path):
-    raw = np.random.default_rng(3).integers(0, 256, (2, 84), dtype=np.uint8)  # Q2_K: 84 B/block
-    path = write_gguf(tmp_path / "q2k.gguf", {"q2k.weight": (raw, Q.Q2_K, (2, 256))})
+    raw = np.random.default_rng(3).integers(0, 256, (2, 66), dtype=np.uint8)  # IQ2_XXS: 66 B/block
+    path = write_gguf(tmp_path / "iq2.gguf", {"iq2.weight": (raw, Q.IQ2_XXS, (2, 256))})
     ckpt = GGUFCheckpoint(path)
-    assert ckpt.shape("q2k.weight") == (2, 256)
-    with pytest.raises(ModelLoadError, match=r"q2k\.gguf: tensor 'q2k\.weight': unsupported .*Q2_K"):
-        ckpt.load("q2k.weight")
+    assert ckpt.shape("iq2.weight") == (2, 256)
+    with pytest.raises(ModelLoadError, match=r"iq2\.gguf: tensor 'iq2\.weight': unsupported .*IQ2_XXS"):
+        ckpt.load("iq2.weight")
 
 
 def cut_points(path) -> dict[str, int]:

@@ -11,7 +11,7 @@ from deltaserve.loader.quants import SUPPORTED_TYPES, dequantize, quantize_q8_0
 # Byte offsets of the float16 scales inside each block: random bytes there could be inf/NaN.
 F16_FIELDS = {
     Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0],
-    Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
+    Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.IQ4_NL: [0], Q.IQ4_XS: [0],
 }
 # Odd row counts and several blocks per row, so row/block layout mistakes show.
 SHAPES = [(1, 1), (3, 1), (5, 3), (2, 3, 2)]  # last dim counted in blocks
@@ -93,10 +93,40 @@ def test_q4_0_hand_computed():
     torch.testing.assert_close(ours, torch.from_numpy(expected.astype(np.float32)))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.IQ4_NL, Q.I32], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.TQ1_0, Q.I32], ids=lambda t: t.name)
 def test_unsupported_type_is_named(qtype):
     with pytest.raises(ValueError, match=qtype.name):
         dequantize(torch.zeros(64, dtype=torch.uint8), qtype, (1, 256))
+
+
+def test_mxfp4_from_gguf_quantiser_and_extreme_exponents():
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((4, 96)) * 10.0 ** rng.integers(-3, 3, (4, 1))).astype(np.float32)
+    raw = ref.quantize(x, Q.MXFP4)
+    ours = dequantize(torch.from_numpy(raw.reshape(-1)), Q.MXFP4, x.shape)
+    torch.testing.assert_close(ours, torch.from_numpy(ref.dequantize(raw, Q.MXFP4)), rtol=0, atol=0)
+    # exponents 0 and 1 decode to subnormal scales, 250 to 2^123
+    blocks = random_blocks(Q.MXFP4, 5, rng)
+    blocks[:, 0] = [0, 1, 2, 127, 250]
+    ours = dequantize(torch.from_numpy(blocks.reshape(-1)), Q.MXFP4, (5, 32))
+    torch.testing.assert_close(ours, torch.from_numpy(ref.dequantize(blocks, Q.MXFP4)), rtol=0, atol=0)
+
+
+def test_unsupported_type_in_a_file_names_tensor_and_type(tmp_path):
+    import gguf
+
+    from deltaserve.errors import ModelLoadError
+    from deltaserve.loader.gguf_file import GGUFCheckpoint
+
+    writer = gguf.GGUFWriter(tmp_path / "iq2.gguf", "qwen35")
+    _, type_size = GGML_QUANT_SIZES[Q.IQ2_XXS]
+    writer.add_tensor("blk.0.ffn_up.weight", np.zeros((2, type_size), np.uint8), raw_dtype=Q.IQ2_XXS)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.ffn_up\.weight.*IQ2_XXS|IQ2_XXS.*blk\.0\.ffn_up\.weight"):
+        GGUFCheckpoint(tmp_path / "iq2.gguf").load("blk.0.ffn_up.weight")
 
 
 def test_wrong_sizes_are_rejected():

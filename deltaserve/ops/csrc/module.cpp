@@ -1,9 +1,12 @@
 // deltaserve's CPU kernels, built by ops/fused.py as one translation unit from the headers beside this file:
-// delta_rule.h (the fused gated delta rule), conv.h, layers.h (norms, SwiGLU, attention step), gemv.h.
+// delta_rule.h (the fused gated delta rule), conv.h, layers.h (norms, SwiGLU, attention step), gemv.h,
+// kquants.h (packed GGML blocks: decoders, rows to float32) and kquants_avx512.h, packed.h (decode GEMV and rows to float32 on them).
 #include "conv.h"
 #include "delta_rule.h"
 #include "gemv.h"
+#include "kquants.h"
 #include "layers.h"
+#include "packed.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdr_forward", &deltaserve::gdr_forward, "fused gated delta rule (CPU, float32)");
@@ -15,4 +18,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_step", &deltaserve::attention_step, "a decode step of gated attention (CPU, float32)");
   m.def("silu_mul", &deltaserve::silu_mul, "silu(x[:, :I]) * x[:, I:] (CPU, float32)");
   m.def("linear_q8", &deltaserve::linear_q8, "float32 activations times Q8_0 weights (CPU)");
+  m.def("linear_packed", &deltaserve::kq::linear_packed, "float32 activations times packed GGML blocks (CPU)");
+  m.def("packed_rows", &deltaserve::kq::packed_rows, "rows of packed GGML blocks dequantised to float32 (CPU)");
 }

@@ -1,0 +1,243 @@
+"""Matmul weights kept in the GGML blocks a GGUF file stores them in (Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0, IQ4_NL):
+never widened at load, read by C++ kernels that widen them in registers (decode) or a block of rows at a time
+(prefill, embedding lookups). A Q4_K_M file then takes its own size in memory, not twice it as float16.
+
+The packed form of a weight of logical shape [..., N, K] is a uint8 parameter [..., nbytes] (one byte string
+per matrix: its rows one after the other) carrying `.packing`: the GGML type of each run of rows (a fused
+projection may mix types: llama.cpp's Q4_K_M keeps some parts in Q6_K), the logical shape, and, where the
+file's columns are held in another order (Qwen3.5's tiled value heads), the gather that feeds them x.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from torch import nn
+
+from deltaserve.loader import quants
+from deltaserve.loader.memory import weight_empty
+from deltaserve.models.weights import IDENTITY, Cat, Leaf, Layout
+from deltaserve.ops import fused
+
+TYPES = frozenset({Q.Q4_0, Q.IQ4_NL, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})  # those the kernels read (kquants.h)
+_GEMV_ROWS = 16  # up to this many activation rows the GEMV reads the blocks; above, dequantise + GEMM
+_DEQUANT_BYTES = 4 << 20  # the float32 rows a GEMM widens at a time
+
+
+@dataclass(frozen=True, eq=False)
+class Packing:
+    """How a packed parameter's bytes hold its matrices: `segments` ((type, rows), ...) of each matrix in row
+    order, the logical `shape` [..., N, K], and `x_index` (gather x[..., x_index] before the file's rows
+    multiply it) or None."""
+
+    segments: tuple[tuple[Q, int], ...]
+    shape: tuple[int, ...]
+    x_index: torch.Tensor | None = None
+    table: torch.Tensor = field(init=False)  # int64 [S, 4] for the kernels: type, first row, end row, byte offset
+
+    def __post_init__(self):
+        rows, offset, table = 0, 0, []
+        for qtype, n in self.segments:
+            table.append((int(qtype), rows, rows + n, offset))
+            rows, offset = rows + n, offset + n * row_bytes(qtype, self.shape[-1])
+        object.__setattr__(self, "table", torch.tensor(table, dtype=torch.int64).view(-1, 4))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one matrix."""
+        return sum(n * row_bytes(t, self.shape[-1]) for t, n in self.segments)
+
+
+def row_bytes(qtype: Q, K: int) -> int:
+    block, size = GGML_QUANT_SIZES[qtype]
+    return K // block * size
+
+
+def is_packed(w: torch.Tensor) -> bool:
+    return getattr(w, "packing", None) is not None
+
+
+def parameter(data: torch.Tensor, packing: Packing) -> nn.Parameter:
+    """The packed parameter of bytes `data` [..., packing.nbytes]."""
+    p = nn.Parameter(data, requires_grad=False)
+    p.packing = packing
+    return p
+
+
+def part(w: torch.Tensor, index: int) -> torch.Tensor:
+    """Matrix `index` of stacked packed matrices (an expert), packed the same way."""
+    out = w[index]
+    out.packing = Packing(w.packing.segments, w.packing.shape[1:], w.packing.x_index)
+    return out
+
+
+def rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """float32 [len(ids), K]: rows `ids` of a packed matrix, exactly as the file's values (in the held
+    column order)."""
+    pk = w.packing
+    ids = ids.reshape(-1).to(torch.int64)
+    if fused.available():
+        out = torch.empty(ids.numel(), pk.shape[-1])
+        fused.extension().packed_rows(w.contiguous(), pk.table, pk.shape[-1], ids.contiguous(), out)
+    else:
+        out = _rows_torch(w, ids)
+    return out if pk.x_index is None else out[:, _held_order(pk)]
+
+
+def _rows_torch(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """rows() through the torch dequantisers (no C++ compiler here), a segment at a time."""
+    pk, K = w.packing, w.packing.shape[-1]
+    out = torch.empty(ids.numel(), K)
+    for qtype, first, end, offset in pk.table.tolist():
+        inside = (ids >= first) & (ids < end)
+        if inside.any():
+            size = row_bytes(Q(qtype), K)
+            blocks = w[offset:offset + (end - first) * size].view(end - first, size)[ids[inside] - first]
+            out[inside] = quants.dequantize(blocks.reshape(-1), Q(qtype), (int(inside.sum()), K))
+    return out
+
+
+def _held_order(pk: Packing) -> torch.Tensor:
+    """The file column each held column comes from (the inverse of x_index)."""
+    return torch.argsort(pk.x_index)
+
+
+def dequantize(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The whole packed matrix (or stack of matrices) in `dtype`."""
+    pk = w.packing
+    if len(pk.shape) > 2:
+        return torch.stack([dequantize(part(w, i), dtype) for i in range(pk.shape[0])])
+    return rows(w, torch.arange(pk.shape[0])).to(dtype)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T (+ bias) in x's dtype for a packed matrix W: up to 16 rows of float32 activations through the
+    GEMV kernel (the blocks stream from memory once), more through float32 GEMMs on blocks of dequantised rows."""
+    pk = w.packing
+    N, K = pk.shape
+    xr = x.reshape(-1, K)
+    if pk.x_index is not None:
+        xr = xr.index_select(1, pk.x_index)
+    if xr.shape[0] <= _GEMV_ROWS and x.dtype == torch.float32 and x.device.type == "cpu" and fused.available():
+        y = torch.empty(xr.shape[0], N)
+        fused.extension().linear_packed(xr.contiguous(), w.contiguous(), pk.table, y)
+    else:
+        y = _blocked_gemm(xr, w)
+    y = y.view(*x.shape[:-1], N).to(x.dtype)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def _blocked_gemm(xr: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """xr [M, K] (file column order) @ W^T in float32, W dequantised a block of rows at a time into one reused
+    buffer: the temporary stays a few MB (not 1 GB for a 248k-row output head) and hot for its GEMM."""
+    pk = w.packing
+    N, K = pk.shape
+    xr = xr.float()
+    y = xr.new_empty(xr.shape[0], N)
+    step = max(64, _DEQUANT_BYTES // (4 * K))
+    buf = torch.empty(min(step, N), K)
+    for r in range(0, N, step):
+        n = min(step, N - r)
+        ids = torch.arange(r, r + n)
+        if fused.available():
+            fused.extension().packed_rows(w.contiguous(), pk.table, K, ids, buf[:n])
+        else:
+            buf[:n] = _rows_torch(w, ids)
+        torch.mm(xr, buf[:n].T, out=y[:, r:r + n])
+    return y
+
+
+def embed(w: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of a packed embedding table in `dtype`, [..., E]."""
+    return rows(w, ids).view(*ids.shape, w.packing.shape[-1]).to(dtype)
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+
+def read(layout: Layout, ckpt) -> nn.Parameter | None:
+    """The parameter of `layout` (Either options already chosen) in packed form, its bytes copied straight from
+    the file: None unless every tensor it is made of is of a type in TYPES and reaches the parameter through
+    row reorders (or, for a single matrix, a column reorder) only."""
+    if not hasattr(ckpt, "raw"):
+        return None
+    pieces = _pieces(layout, ckpt)
+    if pieces is None:
+        return None
+    matrices, x_index = pieces
+    segments = _segments(matrices[0])
+    if any(_segments(m) != segments for m in matrices):
+        return None
+    stack = (len(matrices),) if len(_first_leaf(layout).shape) == 3 else ()  # experts
+    packing = Packing(segments, (*stack, sum(n for _, n in segments), _first_leaf(layout).shape[-1]), x_index)
+    data = weight_empty((*stack, packing.nbytes), torch.uint8)
+    flat = data.view(len(matrices), packing.nbytes)
+    for i, m in enumerate(matrices):
+        torch.cat([raw.reshape(-1) for _, raw in m], out=flat[i])
+    for name in _leaf_names(layout):
+        _drop_pages(ckpt, name)
+    return parameter(data, packing)
+
+
+def _pieces(layout: Layout, ckpt):
+    """([matrix: [(type, raw rows [n, row bytes]), ...]], x_index) or None where the layout cannot stay packed."""
+    if isinstance(layout, Leaf):
+        return _leaf_pieces(layout, ckpt)
+    if not isinstance(layout, Cat):
+        return None
+    parts = [_pieces(p, ckpt) for p in layout.parts]
+    if any(p is None or p[1] is not None for p in parts):
+        return None
+    dims = {len(_first_leaf(p).shape) for p in layout.parts}
+    if len(dims) != 1 or layout.dim != dims.pop() - 2:  # along the rows of each matrix
+        return None
+    counts = {len(p[0]) for p in parts}
+    if len(counts) != 1:
+        return None
+    return [sum((p[0][i] for p in parts), []) for i in range(counts.pop())], None
+
+
+def _leaf_pieces(leaf: Leaf, ckpt):
+    qtype, raw, shape = ckpt.raw(leaf.name)
+    if qtype not in TYPES or tuple(shape) != leaf.shape or len(shape) not in (2, 3):
+        return None
+    size = row_bytes(qtype, shape[-1])
+    raw = raw.view(-1, shape[-2], size)
+    if leaf.fn is IDENTITY:
+        return [[(qtype, m)] for m in raw], None
+    if len(shape) != 2 or leaf.fn.axis not in (0, 1):
+        return None
+    if leaf.fn.axis == 0:  # the file's rows, reordered: each held row is some file row, unchanged
+        order = leaf.fn.forward(torch.arange(shape[0], dtype=torch.float64).view(-1, 1)).view(-1).long()
+        return [[(qtype, raw[0][order])]], None
+    held = leaf.fn.forward(torch.arange(shape[1], dtype=torch.float64).view(1, -1)).view(-1).long()
+    return [[(qtype, raw[0])]], torch.argsort(held)  # x in held order -> x in file order
+
+
+def _segments(matrix) -> tuple[tuple[Q, int], ...]:
+    """Runs of rows of one type (neighbouring pieces of the same type merge)."""
+    out = []
+    for qtype, raw in matrix:
+        if out and out[-1][0] == qtype:
+            out[-1] = (qtype, out[-1][1] + raw.shape[0])
+        else:
+            out.append((qtype, raw.shape[0]))
+    return tuple(out)
+
+
+def _first_leaf(layout: Layout) -> Leaf:
+    return layout if isinstance(layout, Leaf) else _first_leaf(layout.parts[0])
+
+
+def _leaf_names(layout: Layout) -> list[str]:
+    return [layout.name] if isinstance(layout, Leaf) else [n for p in layout.parts for n in _leaf_names(p)]
+
+
+def _drop_pages(ckpt, name: str) -> None:
+    """The tensor's bytes are copied out: let the file's pages go from this process, as GGUFCheckpoint.load
+    does after decoding (else a 5 GB file stays mapped beside its 5 GB copy)."""
+    release = getattr(ckpt, "_release", None)
+    if release is not None:
+        release(ckpt.info(name))

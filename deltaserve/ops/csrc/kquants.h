@@ -1,0 +1,194 @@
+// Weights kept in their GGML blocks (Q4_0, IQ4_NL: 32 weights a block; Q4_K, Q5_K, Q6_K, IQ4_XS: 256):
+// the block layouts, exact scalar decoders (the reference for kquants_avx512.h's, and the path of machines
+// without AVX-512) and the segment table of a packed matrix. The kernels reading them are in packed.h.
+//
+// A packed matrix is one byte string holding its rows one after the other; a fused projection may mix
+// types (llama.cpp's Q4_K_M keeps some parts in Q6_K), so the rows come in segments described by an int64
+// table [S, 4]: (GGML type id, first row, end row, byte offset of the first row), rows in order.
+#pragma once
+#include <c10/util/Half.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace deltaserve {
+namespace kq {
+
+// GGML type ids (ggml.h's enum ggml_type)
+enum Type : int64_t { Q4_0 = 2, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
+
+struct Layout {
+  int64_t block, bytes;  // weights per block, bytes per block
+};
+
+inline Layout layout(int64_t type) {
+  switch (type) {
+    case Q4_0: return {32, 18};
+    case IQ4_NL: return {32, 18};
+    case Q4_K: return {256, 144};
+    case Q5_K: return {256, 176};
+    case Q6_K: return {256, 210};
+    case IQ4_XS: return {256, 136};
+  }
+  throw std::invalid_argument("packed weights: GGML type " + std::to_string(type) + " has no kernel");
+}
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// kvalues_iq4nl: IQ4's 16 non-uniform levels
+constexpr int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// ggml's get_scale_min_k4: sub-block j's 6-bit scale and min from the 12 packed bytes of a Q4_K / Q5_K block
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// IQ4_XS sub-block ib's scale, 6 bits stored with an offset of 32
+inline int iq4xs_scale(const uint8_t* b, int ib) {
+  uint16_t high;
+  std::memcpy(&high, b + 2, 2);
+  return (((b[4 + ib / 2] >> 4 * (ib % 2)) & 0xF) | (((high >> 2 * ib) & 3) << 4)) - 32;
+}
+
+// The decoders below take their products in the order of ggml's reference dequantisers (and of
+// loader/quants.py), with FMA contraction off (-ffast-math would fuse d1 * q - m1): bit-exact results.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+inline void decode_q4_0(const uint8_t* b, float* y) {  // d f16 | qs[16]: y = (q - 8) * d
+  const float d = f16(b);
+  for (int j = 0; j < 16; ++j) {
+    y[j] = static_cast<float>((b[2 + j] & 0xF) - 8) * d;
+    y[j + 16] = static_cast<float>((b[2 + j] >> 4) - 8) * d;
+  }
+}
+
+inline void decode_iq4_nl(const uint8_t* b, float* y) {  // d f16 | qs[16]: y = d * level(q)
+  const float d = f16(b);
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * static_cast<float>(kIQ4Levels[b[2 + j] & 0xF]);
+    y[j + 16] = d * static_cast<float>(kIQ4Levels[b[2 + j] >> 4]);
+  }
+}
+
+// d f16 | dmin f16 | scales[12] | qs[128]: each 32 bytes hold sub-blocks 2j (low nibbles) and 2j + 1
+inline void decode_q4_k(const uint8_t* b, float* y) {
+  const float d = f16(b), dmin = f16(b + 2);
+  const uint8_t* q = b + 16;
+  for (int j = 0; j < 4; ++j, q += 32, y += 64) {
+    int sc1, m1, sc2, m2;
+    scale_min_k4(2 * j, b + 4, sc1, m1);
+    scale_min_k4(2 * j + 1, b + 4, sc2, m2);
+    const float d1 = d * sc1, o1 = dmin * m1, d2 = d * sc2, o2 = dmin * m2;
+    for (int l = 0; l < 32; ++l) y[l] = d1 * static_cast<float>(q[l] & 0xF) - o1;
+    for (int l = 0; l < 32; ++l) y[l + 32] = d2 * static_cast<float>(q[l] >> 4) - o2;
+  }
+}
+
+// d f16 | dmin f16 | scales[12] | qh[32] | qs[128]: as Q4_K, with bit j of qh[l] the fifth bit of sub-block j
+inline void decode_q5_k(const uint8_t* b, float* y) {
+  const float d = f16(b), dmin = f16(b + 2);
+  const uint8_t *qh = b + 16, *q = b + 48;
+  for (int j = 0; j < 4; ++j, q += 32, y += 64) {
+    int sc1, m1, sc2, m2;
+    scale_min_k4(2 * j, b + 4, sc1, m1);
+    scale_min_k4(2 * j + 1, b + 4, sc2, m2);
+    const float d1 = d * sc1, o1 = dmin * m1, d2 = d * sc2, o2 = dmin * m2;
+    for (int l = 0; l < 32; ++l)
+      y[l] = d1 * static_cast<float>((q[l] & 0xF) | (((qh[l] >> (2 * j)) & 1) << 4)) - o1;
+    for (int l = 0; l < 32; ++l)
+      y[l + 32] = d2 * static_cast<float>((q[l] >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4)) - o2;
+  }
+}
+
+// ql[128] | qh[64] | scales int8[16] | d f16: per 128-element half, element 32k + l takes nibble k / 2 of
+// ql[l + 32 (k % 2)] and bits 2k of qh[l]; a scale per 16 elements
+inline void decode_q6_k(const uint8_t* b, float* y) {
+  const float d = f16(b + 208);
+  for (int n = 0; n < 2; ++n, y += 128) {
+    const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + 8 * n);
+    for (int l = 0; l < 32; ++l) {
+      const int is = l / 16;
+      y[l] = d * sc[is] * static_cast<float>(((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32);
+      y[l + 32] = d * sc[is + 2] * static_cast<float>(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+      y[l + 64] = d * sc[is + 4] * static_cast<float>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+      y[l + 96] = d * sc[is + 6] * static_cast<float>(((ql[l + 32] >> 4) | ((qh[l] >> 6) << 4)) - 32);
+    }
+  }
+}
+
+// d f16 | scales_h u16 | scales_l[4] | qs[128]: sub-block ib's 16 bytes hold elements 0..15 (low nibbles)
+// and 16..31 (high)
+inline void decode_iq4_xs(const uint8_t* b, float* y) {
+  const float d = f16(b);
+  for (int ib = 0; ib < 8; ++ib, y += 32) {
+    const float dl = d * static_cast<float>(iq4xs_scale(b, ib));
+    const uint8_t* q = b + 8 + 16 * ib;
+    for (int j = 0; j < 16; ++j) {
+      y[j] = dl * static_cast<float>(kIQ4Levels[q[j] & 0xF]);
+      y[j + 16] = dl * static_cast<float>(kIQ4Levels[q[j] >> 4]);
+    }
+  }
+}
+
+#pragma GCC pop_options
+
+// One block of `type` at b, decoded into y[0 .. block).
+inline void decode_block(int64_t type, const uint8_t* b, float* y) {
+  switch (type) {
+    case Q4_0: return decode_q4_0(b, y);
+    case IQ4_NL: return decode_iq4_nl(b, y);
+    case Q4_K: return decode_q4_k(b, y);
+    case Q5_K: return decode_q5_k(b, y);
+    case Q6_K: return decode_q6_k(b, y);
+    case IQ4_XS: return decode_iq4_xs(b, y);
+  }
+  layout(type);  // throws, naming the type
+}
+
+// The segment table of a packed matrix, checked once per call against its bytes.
+struct Segments {
+  const int64_t* t;  // [S, 4]: type, first row, end row, byte offset
+  int64_t S, rows;
+
+  Segments(const torch::Tensor& table, int64_t K, int64_t nbytes)
+      : t(table.data_ptr<int64_t>()), S(table.size(0)), rows(S ? t[4 * (S - 1) + 2] : 0) {
+    TORCH_CHECK(table.dim() == 2 && table.size(1) == 4 && table.is_contiguous(), "segment table must be [S, 4]");
+    for (int64_t s = 0; s < S; ++s) {
+      const Layout l = layout(t[4 * s]);
+      TORCH_CHECK(K % l.block == 0, "packed rows of ", K, " weights are not whole blocks of ", l.block);
+      TORCH_CHECK(t[4 * s + 1] == (s ? t[4 * s - 2] : 0) && t[4 * s + 2] >= t[4 * s + 1], "segments out of order");
+      TORCH_CHECK(t[4 * s + 3] + (t[4 * s + 2] - t[4 * s + 1]) * (K / l.block) * l.bytes <= nbytes,
+                  "segment ", s, " runs past the packed bytes");
+    }
+  }
+
+  // index of the segment holding row n (S is a handful: a linear scan)
+  int64_t find(int64_t n) const {
+    int64_t s = 0;
+    while (s + 1 < S && n >= t[4 * s + 2]) ++s;
+    return s;
+  }
+  int64_t type(int64_t s) const { return t[4 * s]; }
+  const uint8_t* row(const uint8_t* base, int64_t s, int64_t n, int64_t K) const {
+    const Layout l = layout(t[4 * s]);
+    return base + t[4 * s + 3] + (n - t[4 * s + 1]) * (K / l.block) * l.bytes;
+  }
+};
+
+}  // namespace kq
+}  // namespace deltaserve
