@@ -207,7 +207,7 @@ def test_a_huge_block_count_in_a_file_fails_fast_and_small(tiny, tmp_path, count
     ({"nextn_predict_layers": Value(V.UINT32, 1)},
      "block 3 is counted as a next-token-prediction block, but holds no nextn.* tensors"),
     ({"embedding_length": Value(V.UINT32, 2**30)},
-     r"tensor 'token_embd.weight': expected shape \(823, 1073741824\) \(from the config\), found \(823, 96\)"),
+     r"tensor 'token_embd.weight': expected shape \(\d+, 1073741824\) \(from the config\), found \(\d+, 96\)"),
     ({"full_attention_interval": Value(V.UINT32, 2)}, r"tensor 'blk.1.attn_qkv.weight': expected shape \(1024, 96\)"),
 ])
 def test_a_header_that_disagrees_with_the_tensors(tiny, tmp_path, values, message):
