@@ -189,7 +189,8 @@ class Tokenizer:
         if not file.is_file():
             raise ModelLoadError(path, "no tokenizer.json")
         spec = _read_json(file)
-        model, decoder = (spec.get("model") or {}).get("type"), (spec.get("decoder") or {}).get("type")
+        model, decoder = (part.get("type") if isinstance(part := spec.get(key), dict) else None
+                          for key in ("model", "decoder"))
         if model != "BPE" or decoder != "ByteLevel":
             raise ModelLoadError(file, f"model '{model}' with decoder '{decoder}' is not byte-level BPE")
         try:
@@ -209,18 +210,12 @@ class Tokenizer:
 
         def token_id(value):  # tokenizer_config writes a token as "text" or {"content": "text", ...}
             text = value.get("content") if isinstance(value, dict) else value
-            return None if text is None else backend.token_to_id(text)
+            return backend.token_to_id(text) if isinstance(text, str) else None
 
-        template = config.get("chat_template")
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-            template = {t["name"]: t["template"] for t in template}.get("default")
-        if template is None and (path / "chat_template.jinja").is_file():
-            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
-        eos = generation.get("eos_token_id")  # an id, a list of ids, or absent
         return cls(backend, tokens, types, eos_token_id=token_id(config.get("eos_token")),
                    bos_token_id=token_id(config.get("bos_token")), pad_token_id=token_id(config.get("pad_token")),
-                   add_bos=bool(config.get("add_bos_token", False)), chat_template=template,
-                   extra_eos_ids=[] if eos is None else [eos] if isinstance(eos, int) else eos)
+                   add_bos=config.get("add_bos_token") is True, chat_template=_hf_chat_template(path, config),
+                   extra_eos_ids=_hf_eos_ids(path, generation, len(tokens)))
 
     # -- text <-> ids --------------------------------------------------------------------------
 
@@ -454,9 +449,42 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ModelLoadError(path, f"not valid JSON: {error}") from error
+    if not isinstance(value, dict):
+        raise ModelLoadError(path, f"must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _hf_chat_template(path: Path, config: dict) -> str | None:
+    """tokenizer_config.json's chat_template (a string, or named templates of which "default" is taken), else
+    chat_template.jinja's text."""
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        if not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in template):
+            raise ModelLoadError(path / "tokenizer_config.json", "chat_template must list objects with a name")
+        template = {t["name"]: t.get("template") for t in template}.get("default")
+    if template is None and (path / "chat_template.jinja").is_file():
+        try:
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise ModelLoadError(path / "chat_template.jinja", f"is not UTF-8 text: {error}") from None
+    if template is not None and not isinstance(template, str):
+        raise ModelLoadError(path / "tokenizer_config.json", f"chat_template must be a string, got "
+                                                             f"{type(template).__name__}")
+    return template
+
+
+def _hf_eos_ids(path: Path, generation: dict, vocab_size: int) -> list[int]:
+    """generation_config.json's eos_token_id: an id, a list of ids, or absent. Ids past the vocabulary are left
+    out, as from_gguf_metadata leaves them out."""
+    eos = generation.get("eos_token_id")
+    ids = [] if eos is None else [eos] if not isinstance(eos, list) else eos
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ModelLoadError(path / "generation_config.json", f"eos_token_id must be a token id or a list of "
+                                                              f"them, got {eos!r:.60}")
+    return [i for i in ids if 0 <= i < vocab_size]
 
 
 def _compile_template(source: str) -> jinja2.Template:

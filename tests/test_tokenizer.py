@@ -491,3 +491,18 @@ def test_llama_cpp_tokenizes_a_file_without_pre_the_same(tok, tmp_path, llama_cp
     llama = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
     for text in TEXTS + ["x+=1 <=> y^z~|w $5.00", "1234567 12 123 ٣٤٥٦", "don't 'quote' it's"]:
         assert llama.tokenize(text.encode(), add_bos=False, special=True) == ours.encode(text), text
+
+
+@pytest.mark.parametrize("file, content, message", [
+    ("tokenizer_config.json", "[1, 2]", r"tokenizer_config\.json: must hold a JSON object, got list"),
+    ("tokenizer_config.json", '{"chat_template": 42}', r"tokenizer_config\.json: chat_template must be a string, got int"),
+    ("tokenizer_config.json", '{"chat_template": ["x"]}', "chat_template must list objects with a name"),
+    ("generation_config.json", '{"eos_token_id": "2"}', "eos_token_id must be a token id or a list of them, got '2'"),
+    ("generation_config.json", '{"eos_token_id": [2, 1.5]}', r"eos_token_id must be .* got \[2, 1.5\]"),
+    ("tokenizer.json", '{"model": [], "decoder": 1}', "model 'None' with decoder 'None' is not byte-level BPE"),
+])
+def test_malformed_hf_tokenizer_files_are_named(tok, tmp_path, file, content, message):
+    tok.save_hf_dir(tmp_path)
+    (tmp_path / file).write_text(content)
+    with pytest.raises(ModelLoadError, match=message):
+        Tokenizer.from_hf_dir(tmp_path)

@@ -138,11 +138,28 @@ def check_tensors(table, ckpt, fmt: str, config, hf_root: str = "model.") -> Non
     if fmt == "gguf":
         _check_unread_gguf(ckpt, unread, config)
         return
+    _check_unread_hf(ckpt, unread, config, hf_root)
+
+
+def _check_unread_hf(ckpt, unread: list[str], config, hf_root: str) -> None:
+    """A transformers checkpoint carries tensors the trunk does not read (vision tower, MTP): the ones refused
+    are those a config that disagrees with the weights leaves unread. Any tensor of a layer (layers past
+    num_hidden_layers, a shared expert the config says is not there, ...) but rotary buffers older checkpoints
+    saved, and an output head that tie_word_embeddings ignores although it differs from the embedding (a head
+    equal to it is a harmless duplicate some checkpoints carry)."""
     layer = re.compile(re.escape(hf_root) + r"layers\.(\d+)\.")
     late = sorted(i for n in unread if (m := layer.match(n)) and (i := int(m.group(1))) >= config.num_layers)
-    if late:  # transformers checkpoints carry other tensors too (vision tower, MTP): only the trunk's are checked
+    if late:
         raise ModelLoadError(ckpt.path, f"the config has {config.num_layers} layers, but the checkpoint holds "
                              f"tensors of layer {late[0]} ({hf_root}layers.{late[0]}.*)")
+    stray = [n for n in unread if layer.match(n) and not n.endswith(".inv_freq")]
+    if stray:
+        raise ModelLoadError(ckpt.path, f"tensor not read by the model config.json describes ({len(stray)} such "
+                             "tensors): the config disagrees with the weights", tensor=stray[0])
+    if ("lm_head.weight" in unread and hasattr(ckpt, "same_values")
+            and not ckpt.same_values("lm_head.weight", f"{hf_root}embed_tokens.weight")):
+        raise ModelLoadError(ckpt.path, "tie_word_embeddings is true, but the checkpoint's output head differs "
+                             "from the embedding: the config or the weights are wrong", tensor="lm_head.weight")
 
 
 def _check_unread_gguf(ckpt, unread: list[str], config) -> None:

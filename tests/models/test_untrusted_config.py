@@ -11,6 +11,7 @@ import shutil
 import time
 
 import pytest
+import torch
 
 from deltaserve.convert import make_model
 from deltaserve.errors import ModelLoadError
@@ -223,3 +224,59 @@ def test_an_hf_config_with_fewer_layers_than_the_checkpoint(tiny, tmp_path):
     (hf / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=r"the config has 3 layers, but the checkpoint holds tensors of layer 3"):
         load_model(open_checkpoint(hf))
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    """A tiny qwen35moe with its own output head (not tied), as a transformers directory."""
+    root = tmp_path_factory.mktemp("untied")
+    return make_model("qwen35moe", "tiny", "f32", root / "moe.gguf", hf_dir=root / "hf")
+
+
+def edited_hf(made, tmp_path, change=None, tensors=None):
+    """A copy of made's transformers directory with config.json values changed and tensors replaced."""
+    from safetensors.torch import load_file, save_file
+
+    hf = tmp_path / "hf"
+    shutil.copytree(made.hf_dir, hf)
+    config = json.loads((hf / "config.json").read_text()) | (change or {})
+    (hf / "config.json").write_text(json.dumps(config))
+    if tensors is not None:
+        weights = load_file(hf / "model.safetensors")
+        save_file(tensors(weights), hf / "model.safetensors")
+    return hf
+
+
+def test_a_config_that_ties_an_untied_head_is_refused(untied, tmp_path):
+    with pytest.raises(ModelLoadError, match=r"tensor 'lm_head.weight': tie_word_embeddings is true, but the "
+                                             r"checkpoint's output head differs from the embedding"):
+        load_model(open_checkpoint(edited_hf(untied, tmp_path, {"tie_word_embeddings": True})))
+
+
+def test_a_tied_checkpoint_may_carry_a_copy_of_the_embedding_as_its_head(tiny, tmp_path):
+    def with_head(weights):
+        return weights | {"lm_head.weight": weights["model.embed_tokens.weight"].clone()}
+
+    model = load_model(open_checkpoint(edited_hf(tiny, tmp_path, tensors=with_head)))
+    reference = load_model(open_checkpoint(tiny.hf_dir))
+    ids = torch.tensor([[1, 2, 3, 400]])
+    assert torch.equal(model(ids, model.new_state(1, 8), slots=[0]), reference(ids, reference.new_state(1, 8), slots=[0]))
+
+
+def test_a_config_without_the_shared_expert_the_weights_hold_is_refused(untied, tmp_path):
+    with pytest.raises(ModelLoadError, match=r"tensor 'model.layers.0.mlp.shared_expert.*': tensor not read by "
+                                             r"the model config.json describes"):
+        load_model(open_checkpoint(edited_hf(untied, tmp_path, {"shared_expert_intermediate_size": 0})))
+
+
+def test_qwen35_moe_always_renormalises_as_transformers_does(untied):
+    config = json.loads((untied.hf_dir / "config.json").read_text()) | {"norm_topk_prob": False}
+    assert QwenConfig.from_hf(config).norm_topk_prob is True
+
+
+def test_kimi_routed_scaling_is_bounded():
+    raw = {"model_type": "kimi_linear", "vocab_size": 500, "hidden_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 2, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16,
+           "v_head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "routed_scaling_factor": 1e30}
+    with pytest.raises(ModelLoadError, match=r"'routed_scaling_factor' must be a finite number in \(0, 1000\], got 1e\+30"):
+        KimiConfig.from_hf(raw)

@@ -12,6 +12,7 @@ from deltaserve.models.checks import (MAX_EXPERTS, MAX_LAYERS, MAX_SIZE, REQUIRE
 
 
 KIMI_ARCH = "kimi-linear"
+MAX_SCALE = 1000.0  # of the routed experts' output (Kimi's is 2.446): past that, activations overflow
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ class KimiConfig:
             num_experts_per_tok=r.int(key("num_experts_per_token", "num_experts_per_tok"), 0),
             moe_intermediate_size=r.int("moe_intermediate_size", 0),
             num_shared_experts=r.int(key("num_shared_experts", "n_shared_experts"), 0),
-            routed_scaling_factor=r.float("routed_scaling_factor", 1.0, low=0, open_low=True),
+            routed_scaling_factor=r.float("routed_scaling_factor", 1.0, low=0, high=MAX_SCALE, open_low=True),
             norm_topk_prob=r.flag(key("moe_renormalize", "norm_topk_prob"), True),
             n_group=r.int(key("num_expert_group", "n_group"), 1, low=1), topk_group=r.int("topk_group", 1, low=1),
             tie_word_embeddings=r.flag("tie_word_embeddings", False),
@@ -201,7 +202,7 @@ class KimiConfig:
             num_experts_per_tok=num("expert_used_count", 0),
             moe_intermediate_size=num("expert_feed_forward_length", 0),
             num_shared_experts=num("expert_shared_count", 0),
-            routed_scaling_factor=r.float("expert_weights_scale", 1.0, low=0, open_low=True),
+            routed_scaling_factor=r.float("expert_weights_scale", 1.0, low=0, high=MAX_SCALE, open_low=True),
             norm_topk_prob=r.flag("expert_weights_norm", True),
             n_group=num("expert_group_count", 1) or 1, topk_group=num("expert_group_used_count", 1) or 1,
             tie_word_embeddings=tie_word_embeddings, max_position_embeddings=num("context_length", 0),

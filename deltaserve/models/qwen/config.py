@@ -131,8 +131,9 @@ class QwenConfig:
             moe = dict(num_experts=r.int("num_experts", high=MAX_EXPERTS), num_experts_per_tok=r.int("num_experts_per_tok"),
                        moe_intermediate_size=r.int("moe_intermediate_size"),
                        shared_expert_intermediate_size=r.int("shared_expert_intermediate_size", 0),
-                       # Qwen3.5-MoE always renormalises the top-k weights (its router has no switch)
-                       norm_topk_prob=r.flag("norm_topk_prob", True))
+                       # Qwen3.5-MoE always renormalises the top-k weights: its router has no switch, and
+                       # transformers ignores the key where a config has it
+                       norm_topk_prob=arch == "qwen35moe" or r.flag("norm_topk_prob", True))
             if arch == "qwen35moe":
                 ffn_types = ["moe"] * n_layers
             else:  # Qwen3-Next may keep some layers dense
