@@ -142,8 +142,8 @@ def main(argv=None) -> int:
 
     turns = script(args.turns + args.restart, args.chars, args.tool_every)
     cache_dir = tempfile.mkdtemp(prefix="deltaserve-session-")
-    ours_cmd = [sys.executable, "-m", "deltaserve.cli", "serve", args.model, "--served-model-name", "m", "--slots", "1", "-c",
-                str(args.ctx), "--cache-dir", cache_dir]
+    ours_cmd = [sys.executable, "-m", "deltaserve.cli", "serve", args.model, "--served-model-name", "m",
+                "--slots", "1", "-c", str(args.ctx), "--cache-dir", cache_dir]
     runs = {}
     for name, cmd in [("deltaserve", ours_cmd)] + ([("llama-server", llama_server_cmd(args.model, args.ctx, args.llama_flags.split()))]
                                                    if args.against == "llama-server" else []):
