@@ -43,7 +43,7 @@ def load(model: str | Path | None = None, *, dtype: torch.dtype = torch.float32,
     """(model, tokenizer) from a GGUF file or a Hugging Face directory; None = the embedded default model."""
     path = Path(model) if model is not None else DEFAULT_MODEL
     ckpt = open_checkpoint(path)
-    tokenizer = (Tokenizer.from_gguf_metadata(ckpt.metadata) if hasattr(ckpt, "metadata")
+    tokenizer = (Tokenizer.from_gguf_metadata(ckpt.metadata, str(ckpt.path)) if hasattr(ckpt, "metadata")
                  else Tokenizer.from_hf_dir(path))
     return load_model(ckpt, dtype=dtype, device=device, weight_dtype=weight_dtype, kv_dtype=kv_dtype), tokenizer
 
