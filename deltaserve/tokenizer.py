@@ -22,7 +22,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trai
 from tokenizers import Tokenizer as _Backend
 
 from deltaserve.errors import ChatTemplateError, DeltaserveError, ModelLoadError
-from deltaserve.loader.chat_template import compile_chat_template
+from deltaserve.chat_template import compile_chat_template
 
 # llama.cpp's word splits (src/llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_QWEN2 and _QWEN35). They spell
 # the contractions out where Qwen's tokenizer.json has (?i:'s|'t|...). qwen35 keeps combining marks
@@ -489,5 +489,5 @@ def _hf_eos_ids(path: Path, generation: dict, vocab_size: int) -> list[int]:
 
 def _compile_template(source: str) -> jinja2.Template:
     """The environment transformers renders chat templates in (sandboxed, trim_blocks, lstrip_blocks), with
-    each render bounded in time, loop iterations and text (see deltaserve.loader.chat_template)."""
+    each render bounded in time, loop iterations and text (see deltaserve.chat_template)."""
     return compile_chat_template(source)

@@ -3,8 +3,7 @@
 Both give `names()`, `has(name)`, `shape(name)`, `load(name, dtype, shape, device)` and
 `progress(names)`; a model builder loads tensor by tensor so only one copy of the weights exists.
 
-The readers (and torch) are imported on first use: the tokenizer imports chat_template from this package
-and must stay quick to import.
+The readers (and torch) are imported on first use, so importing this package stays quick.
 """
 
 import os

@@ -9,7 +9,7 @@ import pytest
 
 from deltaserve.convert import train_tokenizer
 from deltaserve.errors import ChatTemplateError, DeltaserveError
-from deltaserve.loader import chat_template
+from deltaserve import chat_template
 from deltaserve.tokenizer import CHATML_TEMPLATE
 
 MESSAGES = [{"role": "user", "content": "hi"}]
