@@ -1,7 +1,7 @@
-// AVX-512 decoders of packed GGML blocks (layouts in kquants.h): each visitor hands emit(e, w) the 16-weight
-// vectors of one block (w = weights e .. e + 15) with the exact values of kquants.h's decode_block. 4- and 5-bit
-// codes index a 16- or 32-entry table of their sub-block's values: one permute per 16 weights instead of a
-// mask, a convert and a multiply-add. Used by the decode GEMV and the row dequantiser (packed.h).
+// AVX-512 decoders of packed GGML blocks (layouts in kquants.h), used by the decode GEMV and the row dequantiser
+// (packed.h): a block's codes as float vectors (4- and 5-bit codes through one permute of a constant table per
+// 16 weights, which also masks the nibble) and its sub-block scales, from which block_values gives the exact
+// values of kquants.h's decode_block.
 #pragma once
 #include <immintrin.h>
 
@@ -49,82 +49,79 @@ inline __m512 k4_steps(const uint8_t* b) {
   return _mm512_mul_ps(q, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16(b)), _mm512_set1_ps(f16(b + 2))));
 }
 
-// the values of sub-block j's 16 codes from k4_steps: d * scale * q - dmin * min
-inline __m512 k4_table(const Lanes& steps, int j, __m512 codes) {
-  return _mm512_sub_ps(_mm512_mul_ps(codes, steps[j]), steps[8 + j]);
-}
-
-template <int BLOCK, int BYTES>
+// Every visitor below describes a block as sub-blocks ("groups") of kGroup weights, weight = scale * code
+// - offset: steps(b) gives the scales in lanes 0.. and (kOffsets) the offsets in lanes 8..15, codes(b, emit)
+// calls emit(e, c, g) with c the codes of weights e .. e + 15 as floats, in group g.
+template <int BLOCK, int BYTES, int GROUPS, bool OFFSETS>
 struct Blocks {
-  static constexpr int kBlock = BLOCK, kBytes = BYTES;
+  static constexpr int kBlock = BLOCK, kBytes = BYTES, kGroups = GROUPS, kGroup = BLOCK / GROUPS;
+  static constexpr bool kOffsets = OFFSETS;
 };
 
-struct VQ4_0 : Blocks<32, 18> {
-  template <class F> static inline void block(const uint8_t* b, F&& emit) {
-    const __m512 tbl = _mm512_mul_ps(_mm512_sub_ps(iota16(), _mm512_set1_ps(8.f)), _mm512_set1_ps(f16(b)));
+struct VQ4_0 : Blocks<32, 18, 1, false> {  // d * (q - 8)
+  static inline __m512 steps(const uint8_t* b) { return _mm512_set1_ps(f16(b)); }
+  template <class F> static inline void codes(const uint8_t* b, F&& emit) {
+    const __m512 q8 = _mm512_sub_ps(iota16(), _mm512_set1_ps(8.f));
     const __m512i v = bytes16(b + 2);
-    emit(0, _mm512_permutexvar_ps(v, tbl));  // the permute reads bits 0..3: the low nibble
-    emit(16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tbl));
+    emit(0, _mm512_permutexvar_ps(v, q8), 0);  // the permute reads bits 0..3: the low nibble
+    emit(16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), q8), 0);
   }
 };
 
-struct VIQ4_NL : Blocks<32, 18> {
-  template <class F> static inline void block(const uint8_t* b, F&& emit) {
-    const __m512 tbl = _mm512_mul_ps(iq4_levels(), _mm512_set1_ps(f16(b)));
+struct VIQ4_NL : Blocks<32, 18, 1, false> {  // d * level(q)
+  static inline __m512 steps(const uint8_t* b) { return _mm512_set1_ps(f16(b)); }
+  template <class F> static inline void codes(const uint8_t* b, F&& emit) {
     const __m512i v = bytes16(b + 2);
-    emit(0, _mm512_permutexvar_ps(v, tbl));
-    emit(16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tbl));
+    emit(0, _mm512_permutexvar_ps(v, iq4_levels()), 0);
+    emit(16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), iq4_levels()), 0);
   }
 };
 
-struct VQ4_K : Blocks<256, 144> {
-  template <class F> static inline void block(const uint8_t* b, F&& emit) {
-    const Lanes steps(k4_steps(b));
+struct VQ4_K : Blocks<256, 144, 8, true> {  // d * scale * q - dmin * min
+  static inline __m512 steps(const uint8_t* b) { return k4_steps(b); }
+  template <class F> static inline void codes(const uint8_t* b, F&& emit) {
     #pragma GCC unroll 8
     for (int j = 0; j < 4; ++j) {
-      const __m512 t1 = k4_table(steps, 2 * j, iota16()), t2 = k4_table(steps, 2 * j + 1, iota16());
       #pragma GCC unroll 8
       for (int h = 0; h < 2; ++h) {
         const __m512i v = bytes16(b + 16 + 32 * j + 16 * h);
-        emit(64 * j + 16 * h, _mm512_permutexvar_ps(v, t1));
-        emit(64 * j + 32 + 16 * h, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t2));
+        emit(64 * j + 16 * h, _mm512_permutexvar_ps(v, iota16()), 2 * j);
+        emit(64 * j + 32 + 16 * h, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), iota16()), 2 * j + 1);
       }
     }
   }
 };
 
-struct VQ5_K : Blocks<256, 176> {
-  template <class F> static inline void block(const uint8_t* b, F&& emit) {
-    const Lanes steps(k4_steps(b));
+struct VQ5_K : Blocks<256, 176, 8, true> {  // as Q4_K with 5-bit codes
+  static inline __m512 steps(const uint8_t* b) { return k4_steps(b); }
+  template <class F> static inline void codes(const uint8_t* b, F&& emit) {
     __m512i qh[2] = {bytes16(b + 16), bytes16(b + 32)};  // shifted right 2 bits a pass: bits 0, 1 are current
     const __m512 hi16 = _mm512_add_ps(iota16(), _mm512_set1_ps(16.f));
     #pragma GCC unroll 8
     for (int j = 0; j < 4; ++j) {
-      const __m512 lo1 = k4_table(steps, 2 * j, iota16()), hi1 = k4_table(steps, 2 * j, hi16);
-      const __m512 lo2 = k4_table(steps, 2 * j + 1, iota16()), hi2 = k4_table(steps, 2 * j + 1, hi16);
       #pragma GCC unroll 8
       for (int h = 0; h < 2; ++h) {
         const __m512i v = bytes16(b + 48 + 32 * j + 16 * h);
-        // 5-bit codes: the permute reads bits 0..4 (bit 4 picks the upper table)
+        // 5-bit codes: the permute reads bits 0..4 (bit 4 picks the upper half)
         const __m512i i1 = nibble_with(v, _mm512_slli_epi32(qh[h], 4));
         const __m512i i2 = nibble_with(_mm512_srli_epi32(v, 4), _mm512_slli_epi32(qh[h], 3));
-        emit(64 * j + 16 * h, _mm512_permutex2var_ps(lo1, i1, hi1));
-        emit(64 * j + 32 + 16 * h, _mm512_permutex2var_ps(lo2, i2, hi2));
+        emit(64 * j + 16 * h, _mm512_permutex2var_ps(iota16(), i1, hi16), 2 * j);
+        emit(64 * j + 32 + 16 * h, _mm512_permutex2var_ps(iota16(), i2, hi16), 2 * j + 1);
         qh[h] = _mm512_srli_epi32(qh[h], 2);
       }
     }
   }
 };
 
-struct VQ6_K : Blocks<256, 210> {
-  template <class F> static inline void block(const uint8_t* b, F&& emit) {
+struct VQ6_K : Blocks<256, 210, 16, false> {  // (d * scale) * (q - 32), a scale per 16
+  static inline __m512 steps(const uint8_t* b) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))),
+                         _mm512_set1_ps(f16(b + 208)));
+  }
+  template <class F> static inline void codes(const uint8_t* b, F&& emit) {
     const __m512i m30 = _mm512_set1_epi32(0x30), m32 = _mm512_set1_epi32(32);
-    // d * scale for the 16 runs of 16 weights
-    const Lanes steps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))),
-                                    _mm512_set1_ps(f16(b + 208))));
-    auto value = [&](__m512i low, __m512i high, int run) {  // (d * scale) * (q - 32), q = low | high bits 4, 5
-      const __m512i q = nibble_with(low, _mm512_and_si512(high, m30));
-      return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q, m32)), steps[run]);
+    auto code = [&](__m512i low, __m512i high) {  // q - 32, q = low | high bits 4, 5
+      return _mm512_cvtepi32_ps(_mm512_sub_epi32(nibble_with(low, _mm512_and_si512(high, m30)), m32));
     };
     #pragma GCC unroll 8
     for (int n = 0; n < 2; ++n) {
@@ -132,17 +129,17 @@ struct VQ6_K : Blocks<256, 210> {
       #pragma GCC unroll 8
       for (int h = 0; h < 2; ++h) {
         const __m512i a = bytes16(ql + 16 * h), c = bytes16(ql + 32 + 16 * h), hq = bytes16(qh + 16 * h);
-        emit(128 * n + 16 * h, value(a, _mm512_slli_epi32(hq, 4), 8 * n + h));
-        emit(128 * n + 32 + 16 * h, value(c, _mm512_slli_epi32(hq, 2), 8 * n + h + 2));
-        emit(128 * n + 64 + 16 * h, value(_mm512_srli_epi32(a, 4), hq, 8 * n + h + 4));
-        emit(128 * n + 96 + 16 * h, value(_mm512_srli_epi32(c, 4), _mm512_srli_epi32(hq, 2), 8 * n + h + 6));
+        emit(128 * n + 16 * h, code(a, _mm512_slli_epi32(hq, 4)), 8 * n + h);
+        emit(128 * n + 32 + 16 * h, code(c, _mm512_slli_epi32(hq, 2)), 8 * n + h + 2);
+        emit(128 * n + 64 + 16 * h, code(_mm512_srli_epi32(a, 4), hq), 8 * n + h + 4);
+        emit(128 * n + 96 + 16 * h, code(_mm512_srli_epi32(c, 4), _mm512_srli_epi32(hq, 2)), 8 * n + h + 6);
       }
     }
   }
 };
 
-struct VIQ4_XS : Blocks<256, 136> {
-  template <class F> static inline void block(const uint8_t* b, F&& emit) {
+struct VIQ4_XS : Blocks<256, 136, 8, false> {  // d * (scale - 32) * level(q)
+  static inline __m512 steps(const uint8_t* b) {
     // iq4xs_scale for the 8 sub-blocks at once: nibble i % 2 of byte 4 + i / 2, bits 2i of the u16 at 2
     const __m512i low = _mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_setr_epi32(2, 2, 3, 3, 4, 4, 5, 5, 0, 0, 0, 0, 0, 0, 0, 0), bytes16(b + 2)),
                                           _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 0, 0, 0, 0, 0, 0, 0));
@@ -151,17 +148,28 @@ struct VIQ4_XS : Blocks<256, 136> {
     const __m512i high = _mm512_srlv_epi32(_mm512_set1_epi32(h), _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0));
     const __m512i ls = _mm512_or_si512(_mm512_and_si512(low, _mm512_set1_epi32(0xF)),
                                        _mm512_slli_epi32(_mm512_and_si512(high, _mm512_set1_epi32(3)), 4));
-    const Lanes steps(_mm512_mul_ps(_mm512_set1_ps(f16(b)), _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32)))));
-    const __m512 levels = iq4_levels();
+    return _mm512_mul_ps(_mm512_set1_ps(f16(b)), _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32))));
+  }
+  template <class F> static inline void codes(const uint8_t* b, F&& emit) {
     #pragma GCC unroll 8
     for (int ib = 0; ib < 8; ++ib) {
-      const __m512 tbl = _mm512_mul_ps(levels, steps[ib]);
       const __m512i v = bytes16(b + 8 + 16 * ib);
-      emit(32 * ib, _mm512_permutexvar_ps(v, tbl));
-      emit(32 * ib + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tbl));
+      emit(32 * ib, _mm512_permutexvar_ps(v, iq4_levels()), ib);
+      emit(32 * ib + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), iq4_levels()), ib);
     }
   }
 };
+
+// emit(e, w) with the values of weights e .. e + 15 of one block: scale * code (- offset), the reference's
+// products in its order, so bit-exact.
+template <class V, class F>
+inline void block_values(const uint8_t* b, F&& emit) {
+  const Lanes s(V::steps(b));
+  V::codes(b, [&](int e, __m512 c, int g) {
+    const __m512 w = _mm512_mul_ps(c, s[g]);
+    emit(e, V::kOffsets ? _mm512_sub_ps(w, s[8 + g]) : w);
+  });
+}
 
 #pragma GCC pop_options
 #endif

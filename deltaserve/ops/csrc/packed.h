@@ -36,7 +36,7 @@ inline void dot_rows(const uint8_t* row, int64_t K, const float* x, float* sums)
     if (V::kBytes >= 64 || (blk * V::kBytes) % 64 < V::kBytes)  // about one prefetch per 64-byte line
       for (int o = 0; o < V::kBytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(bp) + kGemvPrefetch + o, _MM_HINT_T0);
     const float* xb = x + blk * V::kBlock * MB;
-    V::block(bp, [&](int e, __m512 w) {
+    block_values<V>(bp, [&](int e, __m512 w) {
 #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m)
         acc[m][(e / 16) % A] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xb + (e / 16 * MB + m) * 16), acc[m][(e / 16) % A]);
@@ -48,11 +48,37 @@ inline void dot_rows(const uint8_t* row, int64_t K, const float* x, float* sums)
   }
 }
 
+// x . row for one activation row, for visitors with codes(): each sub-block's codes are dotted with x first and
+// scaled once (and the mins once a block, against xsum: x summed per 32), so no table of values is built.
+template <class V>
+inline float dot_row1(const uint8_t* row, int64_t K, const float* x, const float* xsum) {
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  __m256 off = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < K / V::kBlock; ++blk) {
+    const uint8_t* bp = row + blk * V::kBytes;
+    for (int o = 0; o < V::kBytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(bp) + kGemvPrefetch + o, _MM_HINT_T0);
+    const float* xb = x + blk * V::kBlock;
+    __m512 part[V::kGroups];
+    V::codes(bp, [&](int e, __m512 c, int g) {
+      const __m512 xv = _mm512_loadu_ps(xb + e);
+      part[g] = e % V::kGroup == 0 ? _mm512_mul_ps(c, xv) : _mm512_fmadd_ps(c, xv, part[g]);
+    });
+    const __m512 st = V::steps(bp);
+    const Lanes s(st);
+#pragma GCC unroll 16
+    for (int g = 0; g < V::kGroups; ++g) acc[g % 4] = _mm512_fmadd_ps(part[g], s[g], acc[g % 4]);
+    if constexpr (V::kOffsets) off = _mm256_fmadd_ps(_mm512_extractf32x8_ps(st, 1), _mm256_loadu_ps(xsum + blk * 8), off);
+  }
+  const __m512 total = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+  const __m128 o = _mm_add_ps(_mm256_castps256_ps128(off), _mm256_extractf128_ps(off, 1));
+  return _mm512_reduce_add_ps(total) - _mm_cvtss_f32(_mm_hadd_ps(_mm_hadd_ps(o, o), _mm_hadd_ps(o, o)));
+}
+
 // y[0 .. K) = a row of blocks, exactly (the visitors' values are decode_block's)
 template <class V>
 inline void decode_row_v(const uint8_t* row, int64_t K, float* y) {
   for (int64_t blk = 0; blk < K / V::kBlock; ++blk)
-    V::block(row + blk * V::kBytes, [&](int e, __m512 w) { _mm512_storeu_ps(y + blk * V::kBlock + e, w); });
+    block_values<V>(row + blk * V::kBytes, [&](int e, __m512 w) { _mm512_storeu_ps(y + blk * V::kBlock + e, w); });
 }
 
 #pragma GCC pop_options
@@ -71,12 +97,14 @@ inline void with_visitor(int64_t type, F&& f) {
   layout(type);  // throws, naming the type
 }
 
-// sums[m] = x[m] . row for mb <= 8 activation rows (interleaved), the row's blocks of `type` read once.
-inline void dot_packed(int64_t type, int64_t mb, const uint8_t* row, int64_t K, const float* x, float* sums) {
+// sums[m] = x[m] . row for mb <= 8 activation rows (interleaved), the row's blocks of `type` read once; xsum:
+// x summed per 32 when mb is 1.
+inline void dot_packed(int64_t type, int64_t mb, const uint8_t* row, int64_t K, const float* x, const float* xsum,
+                       float* sums) {
   with_visitor(type, [&](auto v) {
     using V = decltype(v);
     switch (mb) {
-      case 1: return dot_rows<V, 1>(row, K, x, sums);
+      case 1: sums[0] = dot_row1<V>(row, K, x, xsum); return;
       case 2: return dot_rows<V, 2>(row, K, x, sums);
       case 3: return dot_rows<V, 3>(row, K, x, sums);
       case 4: return dot_rows<V, 4>(row, K, x, sums);
@@ -94,7 +122,8 @@ inline void decode_row(int64_t type, const uint8_t* row, int64_t K, float* y) {
 #else
 // Without AVX-512: each block decoded exactly into a small buffer, then dotted with the rows (the compiler
 // vectorises both loops for what this machine has, AVX2 or less).
-inline void dot_packed(int64_t type, int64_t mb, const uint8_t* row, int64_t K, const float* x, float* sums) {
+inline void dot_packed(int64_t type, int64_t mb, const uint8_t* row, int64_t K, const float* x, const float* xsum,
+                       float* sums) {
   const Layout l = layout(type);
   alignas(64) float w[256];
   for (int64_t m = 0; m < mb; ++m) sums[m] = 0.f;
@@ -139,6 +168,10 @@ void linear_packed(torch::Tensor x, torch::Tensor bytes, torch::Tensor table, to
   const uint8_t* base = bytes.data_ptr<uint8_t>();
   const std::vector<float> xi = interleave(x.data_ptr<float>(), M, K);
   const float* xp = xi.data();
+  // a last group of one row takes dot_row1, which needs that row summed per 32
+  std::vector<float> xsum(M % 8 == 1 ? K / 32 : 0);
+  for (size_t i = 0; i < xsum.size(); ++i)
+    for (int k = 0; k < 32; ++k) xsum[i] += xp[(M - 1) * K + 32 * i + k];
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
     int64_t s = seg.find(lo);
@@ -148,7 +181,7 @@ void linear_packed(torch::Tensor x, torch::Tensor bytes, torch::Tensor table, to
       for (int64_t m0 = 0; m0 < M; m0 += 8) {
         const int64_t mb = std::min<int64_t>(8, M - m0);
         float sums[8];
-        dot_packed(seg.type(s), mb, row, K, xp + m0 * K, sums);
+        dot_packed(seg.type(s), mb, row, K, xp + m0 * K, xsum.data(), sums);
         for (int64_t m = 0; m < mb; ++m) yp[(m0 + m) * N + n] = sums[m];
       }
     }
