@@ -65,7 +65,7 @@ def build(cls, ckpt, *, dtype: torch.dtype, device, weight_dtype: torch.dtype | 
 def _file_form(p, ckpt, fmt: str, matmul: bool, device) -> torch.Tensor:
     """Parameter `p` kept as the file stores it, where linear() reads that form (`matmul`): the file's GGML blocks
     (models/packed.py) where the kernels read their types, else Q8_0 (int8 + scales) where the values are
-    exactly that; float16 where that is exact, or where the file holds it in a quantisation of 6 bits or fewer
+    exactly that; float16 where that is exact, or where the file holds it in a quantisation coarser than Q8_0
     (a rounding far below the quantisation's own; a Q8_0 file's values never change); else float32."""
     layout = chosen(getattr(p, fmt), ckpt.has) if getattr(p, fmt) is not None else None
     if matmul and layout is not None:

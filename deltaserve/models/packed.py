@@ -10,6 +10,7 @@ file's columns are held in another order (Qwen3.5's tiled value heads), the gath
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +50,11 @@ class Packing:
         """Bytes of one matrix."""
         return sum(n * row_bytes(t, self.shape[-1]) for t, n in self.segments)
 
+    @functools.cached_property
+    def matrix(self) -> Packing:
+        """The packing of one of stacked matrices (made once: experts are taken apart every step)."""
+        return Packing(self.segments, self.shape[1:], self.x_index)
+
 
 def row_bytes(qtype: Q, K: int) -> int:
     block, size = GGML_QUANT_SIZES[qtype]
@@ -69,7 +75,7 @@ def parameter(data: torch.Tensor, packing: Packing) -> nn.Parameter:
 def part(w: torch.Tensor, index: int) -> torch.Tensor:
     """Matrix `index` of stacked packed matrices (an expert), packed the same way."""
     out = w[index]
-    out.packing = Packing(w.packing.segments, w.packing.shape[1:], w.packing.x_index)
+    out.packing = w.packing.matrix
     return out
 
 
