@@ -44,8 +44,8 @@ def extension():
 
     build.mkdir(parents=True, exist_ok=True)
     # A fresh machine compiles for 35-95 s here, often mid-generation: say so, or it looks like a hang.
-    print(f"deltaserve: compiling the CPU kernels for this processor (once per CPU and version: about a minute, cached in {build})",
-          file=sys.stderr, flush=True)
+    print("deltaserve: compiling the CPU kernels for this processor (once per CPU and version: about a minute,"
+          f" cached in {build})", file=sys.stderr, flush=True)
     start = time.monotonic()
     module = cpp_extension.load(
         name=name,
