@@ -166,7 +166,7 @@ def cmd_serve(args):
         n = engine.runner.cache.load_checkpoints(args.cache_dir, model)
         print(f"deltaserve: {n} prefix checkpoints loaded from {args.cache_dir}", file=sys.stderr)
     app = create_app(engine, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                     max_queue=args.max_queue)
+                     max_queue=args.max_queue, slot_save_path=args.slot_save_path)
     print(f"deltaserve: serving {name} on http://{args.host}:{args.port} (chat page at /)", file=sys.stderr)
     try:
         serve(app, args.host, args.port)
@@ -240,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-dir", default=None,
                        help="keep the prefix checkpoints in this folder across restarts (loaded at start, saved "
                             "at shutdown; files of another model, or damaged, are ignored with a warning)")
+    serve.add_argument("--slot-save-path", default=None,
+                       help="folder for llama-server-style slot files: POST /slots/ID?action=save|restore with "
+                            "{\"filename\": NAME}, and erase (default: off)")
     serve.add_argument("--max-queue", type=_int(0), default=None,
                        help="requests that may wait for a slot; more get 503 with Retry-After (default: twice --slots)")
     serve.set_defaults(fn=cmd_serve)

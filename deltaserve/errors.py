@@ -18,3 +18,7 @@ class ModelLoadError(DeltaserveError, ValueError):
 class ChatTemplateError(DeltaserveError):
     """A chat template (code that ships inside a checkpoint) failed or went past its budget of time, loop
     iterations or text while rendering a request: the request is refused (HTTP 400), the process goes on."""
+
+
+class SlotBusyError(DeltaserveError):
+    """A slot operation (save, restore, erase) named a slot that is serving a request (HTTP 409)."""

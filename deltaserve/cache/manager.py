@@ -13,8 +13,9 @@ forward passes there, and `rollback` saves the interval ones it steps back over.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
-from deltaserve.errors import DeltaserveError
+from deltaserve.errors import DeltaserveError, SlotBusyError
 
 from deltaserve.models.state import RecurrentCopy
 
@@ -189,6 +190,50 @@ class CacheManager:
             return 0
         return persist.load(folder, persist.fingerprint(model), self.store, self.state.save_recurrent(0),
                             self.state.read_kv(0, 0, 1))
+
+    def save_slot(self, slot: int, path, model) -> tuple[int, int]:
+        """Write the slot's state to the file `path` (cache/persist.py); the tokens it held and the bytes
+        written. The slot must not be serving a request."""
+        tokens = self._idle(slot, "save")
+        if not tokens:
+            raise DeltaserveError(f"slot {slot} holds no tokens: nothing to save")
+        k, v = self.state.read_kv(slot, 0, len(tokens))
+        return len(tokens), persist.save_slot(path, tokens, k, v, self.state.save_recurrent(slot),
+                                              persist.fingerprint(model))
+
+    def load_slot(self, slot: int, path, model) -> tuple[int, int]:
+        """Put the state kept in the file `path` by save_slot into the slot (a prompt that extends its
+        tokens then continues from it); the tokens restored and the bytes read. A file that is damaged,
+        another model's or too long for this context raises DeltaserveError and leaves the slot as it was."""
+        self._idle(slot, "restore")
+        path = Path(path)
+        k_like, v_like = self.state.read_kv(0, 0, 1)
+        per_token = sum(t.numel() * t.element_size() for t in k_like + v_like if t is not None)
+        template = self.state.save_recurrent(0)
+        limit = 2**20 + template.nbytes() + per_token * self.max_len  # the header, the state, a full context
+        try:
+            tokens, k, v, recurrent = persist.load_slot(path, persist.fingerprint(model), template, (k_like, v_like),
+                                                        self.max_len - 1, limit)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:  # whatever a damaged file raises
+            raise DeltaserveError(f"cannot restore {path}: {e}") from None
+        self.reset(slot)
+        self.state.write_kv(slot, 0, k, v)
+        self.state.load_recurrent(slot, recurrent)
+        self.history[slot] = tokens
+        return len(tokens), path.stat().st_size
+
+    def erase_slot(self, slot: int) -> int:
+        """Forget the slot's state; the tokens it held."""
+        n = len(self._idle(slot, "erase"))
+        self.reset(slot)
+        return n
+
+    def _idle(self, slot: int, action: str) -> list[int]:
+        if not 0 <= slot < self.n_slots:
+            raise DeltaserveError(f"{action}: no slot {slot}; this server has slots 0..{self.n_slots - 1}")
+        if self.busy[slot]:
+            raise SlotBusyError(f"{action}: slot {slot} is serving a request")
+        return self.history[slot]
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, slot: int) -> None:

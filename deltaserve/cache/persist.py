@@ -1,4 +1,5 @@
-"""Prefix checkpoints on disk, so a restarted server answers a returning conversation as fast as before.
+"""Prefix checkpoints on disk, so a restarted server answers a returning conversation as fast as before;
+and one slot's state in a file of its own (llama-server's slot save / restore).
 
 The whole store goes into DIR/checkpoints.safetensors (every block's and mark's KV rows and recurrent
 state) with DIR/checkpoints.json beside it: the trie's shape, the model's fingerprint and the data file's
@@ -15,6 +16,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from deltaserve.models.state import RecurrentCopy
@@ -158,3 +160,60 @@ def _fill(store: PrefixStore, index: dict, tensors: dict, template: RecurrentCop
     store.touch([*store.blocks, *store.marks()])
     store.enforce_budget()
     return store.checkpoints
+
+
+# ---------------------------------------------------------------------- one slot (llama-server's slot files)
+SLOT_FORMAT = "deltaserve-slot/1"
+
+
+def save_slot(path: str | Path, tokens: list[int], k: list, v: list, recurrent: RecurrentCopy,
+              model_fingerprint: str) -> int:
+    """Write one slot's state (its tokens, their KV rows, its recurrent state) to `path`, whole or not at
+    all; returns the bytes written."""
+    tensors = {"tokens": torch.tensor(tokens, dtype=torch.long)}
+    _put(tensors, "s", k, v, recurrent)
+    meta = {"format": SLOT_FORMAT, "fingerprint": model_fingerprint, "sha256": _digest(tensors)}
+    path = Path(path)
+    part = path.with_name(path.name + ".part")
+    save_file(tensors, part, metadata=meta)
+    os.replace(part, path)
+    return path.stat().st_size
+
+
+def load_slot(path: str | Path, model_fingerprint: str, template: RecurrentCopy, kv_template: tuple[list, list],
+              max_tokens: int, max_bytes: int) -> tuple[list[int], list, list, RecurrentCopy]:
+    """The tokens, KV rows and recurrent state kept in a slot file, checked against this model (fingerprint,
+    every shape and dtype, the checksum) and this server (at most `max_tokens` tokens, a file of at most
+    `max_bytes`); ValueError naming what is wrong otherwise."""
+    path = Path(path)
+    if path.stat().st_size > max_bytes:
+        raise ValueError(f"{path.stat().st_size} bytes, more than a slot of this server holds ({max_bytes})")
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("format") == SLOT_FORMAT and meta.get("fingerprint") == model_fingerprint:
+            tensors = load_file(path)
+    except SafetensorError as e:
+        raise ValueError(f"not a safetensors file ({e})") from None
+    if meta.get("format") != SLOT_FORMAT:
+        raise ValueError("not a deltaserve slot file")
+    if meta.get("fingerprint") != model_fingerprint:
+        raise ValueError("made for another model")
+    if _digest(tensors) != meta.get("sha256"):
+        raise ValueError("the data does not match its checksum")
+    ids = tensors.get("tokens")
+    if ids is None or ids.dim() != 1 or ids.dtype != torch.long or not 0 < ids.numel() <= max_tokens:
+        raise ValueError(f"the token list is missing, empty or longer than this server's context ({max_tokens})")
+    tokens = ids.tolist()
+    k_like, v_like = kv_template
+    k, v = _take(tensors, "s", "k", k_like, len(tokens)), _take(tensors, "s", "v", v_like, len(tokens))
+    return tokens, k, v, _recurrent(tensors, "s", template, len(tokens))
+
+
+def _digest(tensors: dict) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}:{t.dtype}:{list(t.shape)};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

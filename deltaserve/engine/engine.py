@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from .request import Event, Request
@@ -45,6 +46,7 @@ class Engine:
         self.scheduler = _TimedScheduler(self.runner, prefill_chunk)
         self.metrics = self.scheduler.metrics
         self._inbox: list[Request] = []
+        self._calls: list[tuple[Callable, Future]] = []  # to run on the engine thread between two steps
         self._wake = threading.Condition()
         self._stopped = self._cancel_all = False
         self._thread = threading.Thread(target=self._loop, name="deltaserve-engine", daemon=True)
@@ -85,6 +87,17 @@ class Engine:
             self._cancel_all = True  # the queues are the engine thread's: it cancels what they hold
             self._wake.notify()
 
+    def between_steps(self, fn: Callable[[], object]) -> Future:
+        """Run fn() on the engine thread between two steps (where no forward pass touches the cache: slot
+        save / restore); its result or exception arrives in the future."""
+        done: Future = Future()
+        with self._wake:
+            if self._stopped:
+                raise RuntimeError("the engine is stopped")
+            self._calls.append((fn, done))
+            self._wake.notify()
+        return done
+
     def queue_depth(self) -> int:
         return len(self._inbox) + len(self.scheduler.waiting)
 
@@ -107,12 +120,18 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not (self._stopped or self._inbox or self.scheduler.has_work):
+                while not (self._stopped or self._inbox or self._calls or self.scheduler.has_work):
                     self._wake.wait()
                 if self._stopped:
                     break
                 inbox, self._inbox = self._inbox, []
+                calls, self._calls = self._calls, []
                 cancel_all, self._cancel_all = self._cancel_all, False
+            for fn, done in calls:
+                try:
+                    done.set_result(fn())
+                except Exception as e:  # the caller's to report
+                    done.set_exception(e)
             for req in [*self.scheduler.waiting, *self.scheduler.running] if cancel_all else []:
                 req.cancelled = True
             for req in inbox:
@@ -124,6 +143,8 @@ class Engine:
                 self.scheduler.abort(f"engine error: {type(e).__name__}: {e}")
         for req in self.scheduler.running + list(self.scheduler.waiting) + self._inbox:
             req.finish("cancelled")
+        for _, done in self._calls:
+            done.set_exception(RuntimeError("the engine stopped"))
 
 
 class _TimedScheduler(Scheduler):

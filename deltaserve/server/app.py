@@ -15,7 +15,7 @@ from fastapi.responses import HTMLResponse, PlainTextResponse
 from deltaserve.engine.engine import Engine
 from deltaserve.errors import DeltaserveError
 
-from . import errors
+from . import errors, slots
 from .errors import JSON, APIError, echo
 from .generation import SHUTTING_DOWN, Generation, Inflight
 from .middleware import Guard
@@ -30,9 +30,10 @@ RETRY_AFTER_SECONDS = 1
 
 
 def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
-               max_queue: int | None = None) -> FastAPI:
-    """The API over `engine`; max_queue None: QUEUE_PER_SLOT per slot. app.state.inflight.shutdown() ends
-    every request in flight (on SIGTERM)."""
+               max_queue: int | None = None, slot_save_path: str | Path | None = None) -> FastAPI:
+    """The API over `engine`; max_queue None: QUEUE_PER_SLOT per slot; slot_save_path: the folder of the
+    slot save / restore files (None: off). app.state.inflight.shutdown() ends every request in flight (on
+    SIGTERM)."""
     if max_queue is None:
         max_queue = QUEUE_PER_SLOT * engine.runner.n_slots
     app = FastAPI(title="deltaserve", docs_url=None, redoc_url=None, default_response_class=JSON)
@@ -41,6 +42,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
     errors.install(app)
     app.add_middleware(Guard, api_key=api_key, max_body=max_request_bytes, closing=lambda: inflight.closing)
     prompts = Prompts(engine)
+    slots.install(app, engine, slot_save_path)
 
     @app.get("/health")
     async def health():
