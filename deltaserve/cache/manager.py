@@ -23,11 +23,18 @@ from . import persist
 from .prefix import Block, Mark, PrefixStore
 
 
+# Checkpoints this many tokens before the end of every prompt: a prompt that leaves another one near its end
+# (an edited last line, a different last turn, a template that re-renders its last few tokens) restores
+# one of them and prefills a few tokens, not everything since the last interval checkpoint (up to 511).
+TAIL_MARKS = (8, 32, 128)
+
+
 class CacheManager:
     def __init__(self, model, n_slots: int = 1, max_len: int = 4096, checkpoint_interval: int = 512,
-                 budget_mb: float = 1024.0):
+                 budget_mb: float = 1024.0, tail_marks: Sequence[int] = TAIL_MARKS):
         """model: anything with new_state(n_slots, max_len) -> HybridState. checkpoint_interval 0 or
-        budget_mb 0 turn checkpoints off (live reuse still works)."""
+        budget_mb 0 turn checkpoints off (live reuse still works). tail_marks: distances from the end of
+        each prompt to checkpoint at, besides the positions each request marks."""
         if checkpoint_interval < 0 or budget_mb < 0:
             raise DeltaserveError(f"checkpoint_interval and cache budget must be >= 0, got {checkpoint_interval} "
                                   f"and {budget_mb} MB")
@@ -36,6 +43,7 @@ class CacheManager:
         self.history: list[list[int]] = [[] for _ in range(n_slots)]  # tokens whose effect each slot holds
         self.busy = [False] * n_slots
         self.interval = checkpoint_interval
+        self.tail_marks = tuple(tail_marks)
         self.store = PrefixStore(checkpoint_interval, int(budget_mb * 2**20)) if checkpoint_interval and budget_mb \
             else None
         self.restored_tokens = 0  # prompt tokens taken from checkpoints instead of prefilled
@@ -93,6 +101,7 @@ class CacheManager:
             self.busy[best] = True
         held = len(self.history[best])
         self._prompt_len[best] = len(prompt)
+        marks = [*marks, *(len(prompt) - d for d in self.tail_marks)]
         self._wanted[best] = {m for m in marks if held < m <= len(prompt)} if self.store is not None else set()
         return best, held
 

@@ -11,6 +11,14 @@ from tests.conftest import ARCHES
 EVERY = 16  # checkpoint interval: small, so short prompts cross several
 
 
+def counted_runner(model, **kw):
+    """A runner whose checkpoints are the interval's and the requests' marks only, without those every
+    prompt keeps near its end (TAIL_MARKS, tested on their own): these tests count checkpoints."""
+    runner = ModelRunner(model, checkpoint_interval=EVERY, **kw)
+    runner.cache.tail_marks = ()
+    return runner
+
+
 def rand(model, n, seed):
     return torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -30,7 +38,7 @@ def prefill(runner, prompt):
 @pytest.mark.parametrize("arch", ARCHES)
 def test_divergent_prompt_restores_the_newest_checkpoint_before_the_divergence(arch, into, loaded):
     model, _ = loaded(arch)
-    runner = ModelRunner(model, n_slots=2, max_len=128, checkpoint_interval=EVERY, cache_budget_mb=8)
+    runner = counted_runner(model, n_slots=2, max_len=128, cache_budget_mb=8)
     first = rand(model, 61, seed=1)
     slot, reused, _ = prefill(runner, first)
     assert reused == 0 and runner.cache.store.checkpoints == 3  # at 16, 32 and 48
@@ -42,6 +50,21 @@ def test_divergent_prompt_restores_the_newest_checkpoint_before_the_divergence(a
     assert reused == 32 and runner.cache.restored_tokens == 32
     assert runner.history[slot2] == second
     torch.testing.assert_close(logits, fresh_logits(model, second)[32:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_a_prompt_leaving_another_just_before_its_end_prefills_only_a_few_tokens(arch, loaded):
+    """Every prompt keeps checkpoints 8, 32 and 128 tokens before its end (TAIL_MARKS): an edited last
+    line restores the one 8 tokens back, not the interval checkpoint up to 15 (here) or 511 tokens back."""
+    model, _ = loaded(arch)
+    runner = ModelRunner(model, n_slots=1, max_len=128, checkpoint_interval=EVERY, cache_budget_mb=8)
+    first = rand(model, 75, seed=11)
+    prefill(runner, first)
+    runner.release(0)
+    second = first[:68] + rand(model, 7, seed=12)  # leaves the first prompt 7 tokens before its end
+    slot, reused, logits = prefill(runner, second)
+    assert reused == 75 - 8 and runner.cache.hits == 1
+    torch.testing.assert_close(logits, fresh_logits(model, second)[67:], atol=1e-5, rtol=1e-5)
 
 
 def test_a_prompt_extending_the_live_state_continues_it(loaded):
@@ -59,11 +82,11 @@ def test_a_prompt_extending_the_live_state_continues_it(loaded):
 
 def test_eviction_keeps_the_budget(loaded):
     model, _ = loaded("qwen3next")
-    probe = ModelRunner(model, n_slots=1, max_len=64, checkpoint_interval=EVERY)
+    probe = counted_runner(model, n_slots=1, max_len=64)
     prefill(probe, rand(model, EVERY + 1, seed=0))
     block = next(iter(probe.cache.store.blocks)).nbytes()  # one checkpoint: KV rows of 16 tokens + states
     budget_mb = 3.5 * block / 2**20
-    runner = ModelRunner(model, n_slots=1, max_len=64, checkpoint_interval=EVERY, cache_budget_mb=budget_mb)
+    runner = counted_runner(model, n_slots=1, max_len=64, cache_budget_mb=budget_mb)
     prompts = [rand(model, 2 * EVERY + 3, seed=10 + i) for i in range(4)]  # two checkpoints each
     for p in prompts:
         slot, _, _ = prefill(runner, p)
@@ -149,7 +172,7 @@ def test_marked_positions_and_answer_ends_are_restored_exactly(arch, loaded):
     """A conversation diverges where the assistant's turn starts (a history without the thinking goes back
     there) and continues after an answer: both are restored whole, between the interval's checkpoints."""
     model, _ = loaded(arch)
-    runner = ModelRunner(model, n_slots=1, max_len=128, checkpoint_interval=EVERY, cache_budget_mb=8)
+    runner = counted_runner(model, n_slots=1, max_len=128, cache_budget_mb=8)
     turn = rand(model, 45, seed=7)
     slot, reused = runner.acquire(turn, marks=(41, 45))
     runner.forward([slot], [turn])
