@@ -5,6 +5,7 @@
                 completions endpoint encodes), "with_pieces" (llama-server: [{"id", "piece"}] instead of ids)
                 -> {"tokens": [...], "count": n, "max_model_len": context}
     /detokenize {"tokens": [ids]} -> {"content": text, "prompt": text}
+    GET /tokenizer_info (vLLM's) -> {"eos_token", "bos_token", "pad_token", "chat_template", ...}
 
 The text goes through the same checks as a completion's prompt (size, valid Unicode), off the event loop.
 """
@@ -67,6 +68,12 @@ def install_tokenize(app: FastAPI, engine, prompts) -> None:
         tokens = ([{"id": i, "piece": tok.token_bytes(i).decode("utf-8", errors="replace")} for i in ids]
                   if body.with_pieces else ids)
         return {"tokens": tokens, "count": len(ids), "max_model_len": engine.max_len}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        # vLLM's: what a client-side tokenizer needs (lm-evaluation-harness's remote tokenizer reads it)
+        return {**tok.special_token_texts, "chat_template": tok.chat_template, "vocab_size": tok.vocab_size,
+                "model_max_length": engine.max_len, "add_bos_token": tok.add_bos}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeBody):
