@@ -59,7 +59,7 @@ class Request:
     done: Done | None = None
     cancelled: bool = False
     # n > 1: the other choices of the same prompt, which take a copy of this request's state once its
-    # prompt is prefilled (Scheduler._fork) instead of prefilling it themselves
+    # prompt is prefilled (Scheduler._prefilled) instead of prefilling it themselves
     followers: list[Request] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -149,8 +149,8 @@ class Generation:
             return []
         return [first_token(prompt.ids[0]), *done.prompt_logprobs]
 
-    def _legacy(self, entries: list, offset: int = 0) -> dict | None:
-        return self.fmt.completion(entries, offset) if self.params.logprobs is not None else None
+    def _legacy(self, entries: list) -> dict | None:
+        return self.fmt.completion(entries) if self.params.logprobs is not None else None
 
     def _usage(self, dones: list[Done]) -> dict:
         """Each prompt counts once, whatever n; its cached tokens are those of its first choice, which
@@ -215,10 +215,13 @@ class Generation:
         return out
 
     def _failure(self, item) -> list[str]:
+        """The end of a stream whose choice was cancelled (the server shuts down) or failed."""
         if item is SHUTDOWN or item[1].reason == "cancelled":
-            return [_sse(error_body(SHUTTING_DOWN, "server_error", code="server_shutting_down")), "data: [DONE]\n\n"]
-        log.error("request %d failed: %s", self.reqs[item[0]].id, item[1].error)
-        return [_sse(error_body(ENGINE_FAILED, "server_error", code="engine_error")), "data: [DONE]\n\n"]
+            body = error_body(SHUTTING_DOWN, "server_error", code="server_shutting_down")
+        else:
+            log.error("request %d failed: %s", self.reqs[item[0]].id, item[1].error)
+            body = error_body(ENGINE_FAILED, "server_error", code="engine_error")
+        return [_sse(body), "data: [DONE]\n\n"]
 
     @property
     def _chunk_kind(self) -> str:

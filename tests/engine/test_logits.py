@@ -13,6 +13,8 @@ from deltaserve.engine.logits import process_logits
 from deltaserve.engine.request import Done
 from deltaserve.engine.sampling import SamplingParams
 
+from .faults import REPEAT
+
 PROMPT = "The quick brown fox jumps over the lazy dog."
 # logits of a 5-token vocabulary, with positive and negative values, each a float64 literal
 RAW = [2.0, -1.0, 0.5, -3.0, 1.5]
@@ -109,6 +111,19 @@ def test_repetition_penalty_changes_the_greedy_choice_as_the_hand_rule_says(llm)
         row[seen] = torch.where(row[seen] > 0, row[seen] / 1.8, row[seen] * 1.8)
         assert token == int(row.argmax())
         context.append(token)
+
+
+def test_requests_with_penalties_or_logprobs_decode_without_speculation():
+    llm = LLM(None, max_len=256)  # the embedded model: REPEAT gets drafts from prompt lookup
+    ids = llm.tokenizer.encode(REPEAT)
+    kwargs = dict(max_tokens=10, temperature=0, ignore_eos=True, frequency_penalty=1.2, logprobs=1)
+    llm.generate(ids, speculative="ngram", max_tokens=10, temperature=0, ignore_eos=True)
+    proposed = llm.speculators["ngram"].proposed
+    assert proposed > 0  # this prompt gets drafts...
+    plain = llm.generate(ids, **kwargs)
+    drafted = llm.generate(ids, speculative="ngram", **kwargs)
+    assert drafted.token_ids == plain.token_ids and len(drafted.logprobs) == 10
+    assert llm.speculators["ngram"].proposed == proposed  # ...but not with a penalty, which verification skips
 
 
 def run_choices(engine, ids, params):

@@ -116,6 +116,16 @@ def test_a_list_of_prompts_gives_one_choice_each(client, reference, as_ids):
     assert out.usage.prompt_tokens_details.cached_tokens >= 0
 
 
+def test_langchain_openai_sends_a_list_of_prompts(server, reference):
+    langchain_openai = pytest.importorskip("langchain_openai", reason="langchain-openai is not installed")
+    llm = langchain_openai.OpenAI(base_url=server.url + "/v1", api_key="unused", model="tiny", max_tokens=6,
+                                  temperature=0, batch_size=3, max_retries=0)
+    prompts = [PROMPT, "Once upon a time", "ROMEO:"]
+    out = llm.generate(prompts)
+    assert [g[0].text for g in out.generations] == [reference.generate(p, max_tokens=6, temperature=0).text
+                                                   for p in prompts]
+
+
 def test_n_choices_each_follow_their_own_seed(client, reference):
     out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=40, n=3,
                                     extra_body={"ignore_eos": True})
@@ -154,6 +164,9 @@ def test_tokenize_and_detokenize_in_both_shapes(server, reference):
     messages = [{"role": "user", "content": "Hi"}]
     chat = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
     assert chat == reference.tokenizer.encode(reference.tokenizer.apply_chat_template(messages))
+    info = httpx.get(server.url + "/tokenizer_info").json()  # vLLM's, which lm-eval's remote tokenizer reads
+    assert reference.tokenizer.encode(info["eos_token"]) == [reference.tokenizer.eos_token_id]
+    assert info["chat_template"] == reference.tokenizer.chat_template
     back = httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()
     assert back["content"] == back["prompt"] == PROMPT
     for path, body, param in [("/detokenize", {"tokens": [10**9]}, "tokens"), ("/tokenize", {}, None),
