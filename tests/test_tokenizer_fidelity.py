@@ -87,6 +87,15 @@ def test_fixed_strings_match_tiktoken(request, reference, route):
 
 
 @pytest.mark.parametrize("route", ["hf_route", "gguf_route"])
+def test_every_id_decodes_to_the_references_bytes(request, reference, route):
+    ours = request.getfixturevalue(route)
+    expected = [reference.decoder[i] if isinstance(reference.decoder[i], bytes) else reference.decoder[i].encode()
+                for i in range(ours.vocab_size)]
+    assert [ours.token_bytes(i) for i in range(ours.vocab_size)] == expected
+    assert ours.tokens is ours.tokens and len(ours.tokens) == ours.vocab_size  # built once
+
+
+@pytest.mark.parametrize("route", ["hf_route", "gguf_route"])
 def test_every_whole_word_token_stays_whole(request, reference, route):
     """Each vocabulary entry that the pre-tokenizer keeps as one piece encodes to its own id: 201 of them
     split when BPE ran from the merges alone."""
