@@ -36,6 +36,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: Seq
         return logits
     logits = logits.clone()
     V = logits.numel()
+    banned = params.min_tokens > len(output_ids) or any(b <= BAN for b in params.logit_bias.values())
     if params.logit_bias:
         ids = torch.tensor([i for i in params.logit_bias if i < V], dtype=torch.long)
         bias = torch.tensor([params.logit_bias[i] for i in ids.tolist()], dtype=logits.dtype)
@@ -49,9 +50,11 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: Seq
         x = logits[seen]
         logits[seen] = torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
     if (params.frequency_penalty or params.presence_penalty) and output_ids:
-        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=V)[:V].to(logits.dtype)
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
-    if not torch.isfinite(logits.max()):
+        # only the tokens generated so far change: no pass over the whole vocabulary
+        ids, counts = torch.unique(torch.tensor(output_ids, dtype=torch.long), return_counts=True)
+        keep = ids < V
+        logits[ids[keep]] -= params.frequency_penalty * counts[keep].to(logits.dtype) + params.presence_penalty
+    if banned and not torch.isfinite(logits.max()):
         raise ValueError("logit_bias and min_tokens ban every token of the vocabulary")
     return logits
 
