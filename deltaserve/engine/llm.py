@@ -38,6 +38,7 @@ class GenerationResult:
     finish_reason: str  # "stop" (eos, a stop token or string) or "length"
     prompt_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of token_ids, with logprobs=N (engine/logits.py)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.., with prompt_logprobs=N
 
 
 def load(model: str | Path | None = None, *, dtype: torch.dtype = torch.float32, device="cpu",
@@ -84,7 +85,8 @@ class LLM:
         is the same with or without it. A failure on the way (the model, the sampler, a drafter) raises
         DeltaserveError naming it, from the stream too; the slot starts over, so the next call works.
         **sampling: the other SamplingParams (presence_penalty, frequency_penalty, repetition_penalty,
-        logit_bias, min_tokens, stop_token_ids, logprobs); logprobs=N fills GenerationResult.logprobs."""
+        logit_bias, min_tokens, stop_token_ids, logprobs, prompt_logprobs), which fill GenerationResult's
+        logprobs and prompt_logprobs."""
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 min_p=min_p, seed=seed, stop=[stop] if isinstance(stop, str) else list(stop),
                                 ignore_eos=ignore_eos, **sampling)
@@ -97,7 +99,8 @@ class LLM:
         done = [e for e in steps if isinstance(e, Done)][-1]
         if done.error:
             raise DeltaserveError(done.error)
-        return GenerationResult(done.text, done.token_ids, done.reason, done.prompt_tokens, done.logprobs)
+        return GenerationResult(done.text, done.token_ids, done.reason, done.prompt_tokens, done.logprobs,
+                                done.prompt_logprobs)
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [T, vocab] for every position of token_ids, from a fresh state."""

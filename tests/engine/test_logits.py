@@ -83,6 +83,17 @@ def test_logprobs_are_the_log_softmax_of_a_separate_scoring_pass(llm):
                                    atol=1e-4, rtol=0)
 
 
+def test_prompt_logprobs_score_every_prompt_token_after_the_first(llm):
+    ids = llm.tokenizer.encode(PROMPT * 4)  # several prefill chunks of 7
+    llm.generate(ids[:20], max_tokens=2, temperature=0)  # a cached prefix must not hide positions
+    out = llm.generate(ids, max_tokens=0, prompt_logprobs=2)
+    reference = llm.score(ids).double().log_softmax(-1)
+    assert [e.token for e in out.prompt_logprobs] == ids[1:]
+    torch.testing.assert_close([e.logprob for e in out.prompt_logprobs],
+                               [float(reference[i, t]) for i, t in enumerate(ids[1:])], atol=1e-4, rtol=0)
+    assert [[t for t, _ in e.top] for e in out.prompt_logprobs] == reference[:-1].topk(2).indices.tolist()
+
+
 def test_logit_bias_ban_removes_the_greedy_token(llm):
     ids = llm.tokenizer.encode(PROMPT)
     first = llm.generate(ids, max_tokens=1, temperature=0, ignore_eos=True).token_ids[0]
