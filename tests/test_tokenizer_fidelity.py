@@ -28,8 +28,9 @@ FIXED = [
     "emoji 👩‍💻🚀🇫🇷 and ZWJ", "def f(x):\n    return x**2  # square\n\n\tif x != 0:\n\t\tpass",
     "for (int i = 0; i < n; ++i) { a[i] += b[i]; }", "   leading and trailing spaces   ", "\n\n\n\r\n\t \t",
     "numbers 1234567890 3.14159 -42 1e-9", "CamelCaseIdentifiersAndSNAKE_CASE_ONES", "it's we're they'll I'd YOU'VE",
-    "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n", "<tool_call>{}</tool_call>",
-    "https://example.com/path?query=1&b=2#frag", "{\"json\": [1, 2, {\"k\": null}]}", "a" * 300, "ab " * 200,
+    "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+    "<tool_call>{}</tool_call>", "https://example.com/path?query=1&b=2#frag", "{\"json\": [1, 2, {\"k\": null}]}",
+    "a" * 300, "ab " * 200,
 ]
 
 

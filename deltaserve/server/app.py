@@ -172,7 +172,7 @@ def _choices(engine: Engine, body: CompletionBody | ChatBody, n_prompts: int, ma
     n = body.n or 1
     if n > engine.runner.n_slots:
         raise APIError(400, f"n is {n}; this server runs at most {engine.runner.n_slots} choices at once (its "
-                            f"slots, --parallel)", "n")
+                            f"slots, serve --slots)", "n")
     if isinstance(body, CompletionBody) and body.best_of not in (None, n):
         raise APIError(400, f"best_of must equal n ({n}): this server generates no choices to drop", "best_of")
     if n * n_prompts > engine.runner.n_slots + max_queue:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from deltaserve.engine.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
