@@ -166,7 +166,8 @@ def cmd_serve(args):
         n = engine.runner.cache.load_checkpoints(args.cache_dir, model)
         print(f"deltaserve: {n} prefix checkpoints loaded from {args.cache_dir}", file=sys.stderr)
     app = create_app(engine, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                     max_queue=args.max_queue, slot_save_path=args.slot_save_path)
+                     max_queue=args.max_queue, allowed_origins=args.allowed_origins,
+                     slot_save_path=args.slot_save_path)
     print(f"deltaserve: serving {name} on http://{args.host}:{args.port} (chat page at /)", file=sys.stderr)
     try:
         serve(app, args.host, args.port)
@@ -233,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=_int(0, 65535), default=8000, help="port (default 8000)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    serve.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                       help="let web pages from these origins call the API (CORS), e.g. http://localhost:3000; "
+                            "'*' for any (default: none)")
     serve.add_argument("--slots", type=_int(1), default=8, help="sequences decoded together (default 8)")
     serve.add_argument("--served-model-name", default=None, help="model id in the API (default: the file name)")
     serve.add_argument("--max-request-bytes", type=_int(1), default=MAX_REQUEST_BYTES,

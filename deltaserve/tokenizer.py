@@ -10,6 +10,7 @@ does (normal tokens through GPT-2's byte alphabet, added tokens as written, padd
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import warnings
 from array import array
@@ -34,6 +35,9 @@ PRE_TOKENIZER_REGEX = {
     "qwen35": _CONTRACTIONS
     + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
+
+# pre-tokenizers whose vocabulary maps a pre-token it holds whole to that token, before any merge
+IGNORE_MERGES = {"qwen35"}
 
 # llama.cpp's splits for a GGUF that names no pre-tokenizer (LLAMA_VOCAB_PRE_TYPE_DEFAULT): four expressions,
 # each splitting the pieces the one before it left.
@@ -108,7 +112,7 @@ class Tokenizer:
                  pad_token_id: int | None = None, add_bos: bool = False,
                  chat_template: str | None = None, extra_eos_ids: Iterable[int] = (),
                  pre: str | None = None):
-        # the token texts stay in the backend only (a 248k vocabulary as Python strings is 16 MB more)
+        # the token texts stay in the backend until `tokens` is read (a 248k vocabulary as strings is 16 MB)
         self._backend, self.token_types = backend, array("B", token_types)
         self.eos_token_id, self.bos_token_id, self.pad_token_id = eos_token_id, bos_token_id, pad_token_id
         self.add_bos, self.chat_template, self.pre = add_bos, chat_template, pre
@@ -122,9 +126,9 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self._pieces)
 
-    @property
+    @functools.cached_property
     def tokens(self) -> list[str]:
-        """The text of every id ("" where the vocabulary has a hole)."""
+        """The text of every id ("" where the vocabulary has a hole); built on first use (0.2 s for 248k)."""
         return [self._backend.id_to_token(i) or "" for i in range(self.vocab_size)]
 
     @property
@@ -161,7 +165,11 @@ class Tokenizer:
             raise ModelLoadError(source, f"tokenizer.ggml.tokens has '{dup}' twice")
         pairs = _merge_pairs(merges, vocab, source)
         try:
-            backend = _Backend(models.BPE(vocab=vocab, merges=pairs))
+            # qwen35's ranks do not always rise with a token's length, so BPE from the merges can split a
+            # whole-word token ("俱乐部" into 3); the ids the model was trained on map a pre-token that is in
+            # the vocabulary to that token (tiktoken, and HF's tokenizer.json with ignore_merges), and GGUF
+            # has no flag for it: it follows from the pre-tokenizer
+            backend = _Backend(models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre in IGNORE_MERGES))
         except Exception as error:  # the Rust side raises plain Exception
             raise ModelLoadError(source, f"tokenizers cannot build the vocabulary: {error}") from None
         backend.pre_tokenizer, backend.decoder = _pre_tokenizer(pre), decoders.ByteLevel()

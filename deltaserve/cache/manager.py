@@ -126,6 +126,22 @@ class CacheManager:
         self._clock += 1
         self._last_used[slot] = self._clock
 
+    def fork(self, src: int) -> int:
+        """A free slot (the least recently used) made a copy of busy slot `src`: its KV rows and recurrent
+        state, for n choices of one prompt prefilled once. The copy is busy and has no marks to reach."""
+        free = [s for s in range(self.n_slots) if not self.busy[s]]
+        if not free:
+            raise DeltaserveError("fork: every slot is busy")
+        dst = min(free, key=lambda s: self._last_used[s])
+        self.reset(dst)
+        k, v = self.state.read_kv(src, 0, len(self.history[src]))
+        self.state.write_kv(dst, 0, k, v)
+        self.state.load_recurrent(dst, self.state.save_recurrent(src))
+        self.history[dst] = list(self.history[src])
+        self.busy[dst] = True
+        self._prompt_len[dst] = self._prompt_len[src]
+        return dst
+
     def reset(self, slot: int) -> None:
         self.state.reset([slot])
         self.history[slot] = []

@@ -72,6 +72,20 @@ class Engine:
             self._wake.notify()
         return req
 
+    def submit_choices(self, prompt_ids: list[int], params: list[SamplingParams],
+                       on_events: list[Callable[[Event], None]], marks: tuple[int, ...] = (),
+                       cache_prompt: bool = True) -> list[Request]:
+        """n requests for one prompt (n choices): the prompt is prefilled once and its state copied to the
+        others' slots (as far as slots are free; the rest prefill it again when a slot frees up)."""
+        reqs = [Request(prompt_ids, p, self.tokenizer, on_event=f, marks=marks, cache_prompt=cache_prompt)
+                for p, f in zip(params, on_events)]
+        reqs[0].followers = reqs[1:]
+        with self._wake:
+            self._inbox.append(reqs[0])
+            self.metrics.requests_total += len(reqs)
+            self._wake.notify()
+        return reqs
+
     def cancel(self, req: Request) -> None:
         """Stop a request (a client went away); its slot is freed at the next step."""
         with self._wake:
@@ -82,7 +96,7 @@ class Engine:
         """Stop every request, queued or running (the server is shutting down); each ends with "cancelled"
         at the next step."""
         with self._wake:
-            for req in self._inbox:
+            for req in _with_followers(self._inbox):
                 req.cancelled = True
             self._cancel_all = True  # the queues are the engine thread's: it cancels what they hold
             self._wake.notify()
@@ -132,7 +146,7 @@ class Engine:
                     done.set_result(fn())
                 except Exception as e:  # the caller's to report
                     done.set_exception(e)
-            for req in [*self.scheduler.waiting, *self.scheduler.running] if cancel_all else []:
+            for req in _with_followers([*self.scheduler.waiting, *self.scheduler.running]) if cancel_all else []:
                 req.cancelled = True
             for req in inbox:
                 self.scheduler.add(req, self.speculator)
@@ -141,10 +155,14 @@ class Engine:
             except Exception as e:  # a bug must not hang every client: end the running requests, serve the rest
                 log.exception("an engine step failed; the running requests end with the error")
                 self.scheduler.abort(f"engine error: {type(e).__name__}: {e}")
-        for req in self.scheduler.running + list(self.scheduler.waiting) + self._inbox:
+        for req in _with_followers(self.scheduler.running + list(self.scheduler.waiting) + self._inbox):
             req.finish("cancelled")
         for _, done in self._calls:
             done.set_exception(RuntimeError("the engine stopped"))
+
+
+def _with_followers(reqs: list[Request]) -> list[Request]:
+    return [r for req in reqs for r in (req, *req.followers)]
 
 
 class _TimedScheduler(Scheduler):
@@ -162,11 +180,12 @@ class _TimedScheduler(Scheduler):
         self.metrics.decode_tokens += sum(len(r.output_ids) for r in self.running) - before
 
     def _prefill(self):
-        before = sum(r.n_fed for r in self.running)
+        reqs = list(self.running)  # n > 1: the copies of a prefilled prompt that join here were not prefilled
+        before = sum(r.n_fed for r in reqs)
         t = time.perf_counter()
         super()._prefill()
         self.metrics.prefill_seconds += time.perf_counter() - t
-        self.metrics.prefill_tokens += sum(r.n_fed for r in self.running) - before
+        self.metrics.prefill_tokens += sum(r.n_fed for r in reqs) - before
 
     def _drop_finished(self):
         for req in self.running:

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -21,6 +21,7 @@ from deltaserve.loader.gguf_file import progress_bar
 from deltaserve.models import load_model
 from deltaserve.tokenizer import Tokenizer
 
+from .logits import TokenLogprob
 from .request import Delta, Done, Event, Request
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -34,8 +35,10 @@ DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "data" / "default.gguf"
 class GenerationResult:
     text: str
     token_ids: list[int]  # the generated tokens (the prompt excluded)
-    finish_reason: str  # "stop" (eos or a stop string) or "length"
+    finish_reason: str  # "stop" (eos, a stop token or string) or "length"
     prompt_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of token_ids, with logprobs=N (engine/logits.py)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.., with prompt_logprobs=N
 
 
 def load(model: str | Path | None = None, *, dtype: torch.dtype = torch.float32, device="cpu",
@@ -74,15 +77,19 @@ class LLM:
 
     def generate(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop: list[str] | str = (),
-                 ignore_eos: bool = False, stream: bool = False, speculative: str | Literal[False] | None = None):
+                 ignore_eos: bool = False, stream: bool = False, speculative: str | Literal[False] | None = None,
+                 **sampling):
         """Continue `prompt` (text or token ids). Returns a GenerationResult, or with stream=True an iterator
         of text pieces as they are decided (text that may still turn into a stop string is held back).
         speculative: "ngram", a draft model's path, False (off) or None (the LLM's default). Greedy output
         is the same with or without it. A failure on the way (the model, the sampler, a drafter) raises
-        DeltaserveError naming it, from the stream too; the slot starts over, so the next call works."""
+        DeltaserveError naming it, from the stream too; the slot starts over, so the next call works.
+        **sampling: the other SamplingParams (presence_penalty, frequency_penalty, repetition_penalty,
+        logit_bias, min_tokens, stop_token_ids, logprobs, prompt_logprobs), which fill GenerationResult's
+        logprobs and prompt_logprobs."""
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 min_p=min_p, seed=seed, stop=[stop] if isinstance(stop, str) else list(stop),
-                                ignore_eos=ignore_eos)
+                                ignore_eos=ignore_eos, **sampling)
         spec = self.speculative if speculative is None else speculative
         events: list[Event] = []
         req = Request(self._encode(prompt), params, self.tokenizer, on_event=events.append)
@@ -92,7 +99,8 @@ class LLM:
         done = [e for e in steps if isinstance(e, Done)][-1]
         if done.error:
             raise DeltaserveError(done.error)
-        return GenerationResult(done.text, done.token_ids, done.reason, done.prompt_tokens)
+        return GenerationResult(done.text, done.token_ids, done.reason, done.prompt_tokens, done.logprobs,
+                                done.prompt_logprobs)
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [T, vocab] for every position of token_ids, from a fresh state."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from deltaserve.tokenizer import Tokenizer
 
+from .logits import TokenLogprob
 from .sampling import SamplingParams
 
 _ids = itertools.count()
@@ -20,6 +21,7 @@ class Delta:
 
     text: str
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of token_ids, when the request asked for them
 
 
 @dataclass
@@ -33,6 +35,8 @@ class Done:
     token_ids: list[int]
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the slot's live state or a checkpoint
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of token_ids (params.logprobs)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.. (params.prompt_logprobs)
 
 
 Event = Delta | Done
@@ -54,22 +58,30 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     done: Done | None = None
     cancelled: bool = False
+    # n > 1: the other choices of the same prompt, which take a copy of this request's state once its
+    # prompt is prefilled (Scheduler._prefilled) instead of prefilling it themselves
+    followers: list[Request] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self):
         self.generator = self.params.generator()
         self.decoder = self.tokenizer.stream()
         self.eos = set() if self.params.ignore_eos else self.tokenizer.eos_token_ids
+        self.end_ids = self.eos | set(self.params.stop_token_ids)  # tokens that end the request unseen
         self.text, self.sent, self.ids_sent = "", 0, 0
 
     @property
     def prefilling(self) -> bool:
         return self.n_fed < len(self.prompt_ids)
 
-    def add_token(self, token: int, room: int) -> None:
+    def add_token(self, token: int, room: int, logprob: TokenLogprob | None = None) -> None:
         """Take a sampled token; `room` is how many more tokens the slot can hold after this one."""
-        if token in self.eos:
+        if token in self.end_ids:
             return self.finish("stop")
         self.output_ids.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
         before = len(self.text)
         self.text += self.decoder.feed(token)
         stops = self.params.stop
@@ -91,15 +103,16 @@ class Request:
         self.pending = None
         # done before any event goes out: a handler that raises cannot leave the request running
         self.done = Done(reason, len(self.prompt_ids), len(self.output_ids), self.text, self.output_ids, error,
-                         self.cached)
+                         self.cached, self.logprobs, self.prompt_logprobs)
         self._emit_until(len(self.text))
         self.on_event(self.done)
 
     def _emit_until(self, end: int) -> None:
         if end > self.sent:
             text, ids = self.text[self.sent:end], self.output_ids[self.ids_sent:]
+            logprobs = self.logprobs[self.ids_sent:]
             self.sent, self.ids_sent = end, len(self.output_ids)
-            self.on_event(Delta(text, ids))
+            self.on_event(Delta(text, ids, logprobs))
 
 
 def _held(text: str, stop: str) -> int:

@@ -53,6 +53,10 @@ class ModelRunner:
         how many of them it now holds (at most all but the last)."""
         return self.cache.acquire(tokens, slot=slot)[1]
 
+    def fork(self, slot: int) -> int:
+        """A free slot, now busy, holding a copy of `slot`'s state and tokens."""
+        return self.cache.fork(slot)
+
     def release(self, slot: int, checkpoint: bool = False) -> None:
         self.cache.release(slot, checkpoint)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -17,6 +17,7 @@ import torch
 # softmax of inf is NaN. At 1e-5 the distribution is already one-hot for any gap between logits above 1e-3.
 GREEDY_BELOW = 1e-5
 SEED_MIN, SEED_MAX = -2**63, 2**64 - 1  # what torch.Generator.manual_seed takes
+MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 
 @dataclass
@@ -32,6 +33,15 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # what these do to the logits, and which conventions they follow: engine/logits.py
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None  # report the chosen token's logprob and this many top ones; None: off
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -46,14 +56,44 @@ class SamplingParams:
             (self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
              f"seed must be an int in [{SEED_MIN}, {SEED_MAX}]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+            (_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             "presence_penalty must be in [-2, 2]"),
+            (_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             "frequency_penalty must be in [-2, 2]"),
+            (_is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
+             "repetition_penalty must be a finite number > 0"),
+            (isinstance(self.logit_bias, dict) and all(_is_int(k) and k >= 0 and _is_number(v) and -100 <= v <= 100
+                                                       for k, v in self.logit_bias.items()),
+             "logit_bias must map token ids >= 0 to numbers in [-100, 100]"),
+            (_is_int(self.min_tokens) and 0 <= self.min_tokens, "min_tokens must be an int >= 0"),
+            (all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids >= 0"),
+            (self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"logprobs must be an int in [0, {MAX_LOGPROBS}]"),
+            (self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                              and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+             f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}]"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"{message}, got {self!r}")
 
     @property
+    def adjusts_logits(self) -> bool:
+        """Whether logits.process_logits changes anything for these settings."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    def choices(self, n: int) -> list[SamplingParams]:
+        """The settings of n choices of one prompt: each its own seed stream (seed, seed + 1, ... when the
+        seed is fixed, so that the set of choices is reproducible)."""
+        if self.seed is None:
+            return [self] + [replace(self) for _ in range(n - 1)]
+        span = SEED_MAX - SEED_MIN + 1
+        return [replace(self, seed=(self.seed + i - SEED_MIN) % span + SEED_MIN) for i in range(n)]
 
     def generator(self) -> torch.Generator:
         gen = torch.Generator()

@@ -19,12 +19,17 @@ from contextlib import contextmanager
 
 import torch
 
+from .logits import process_logits, prompt_logprobs, token_logprob
 from .request import Request
 from .runner import ModelRunner
 from .sampling import sample
 from .speculative import Speculator, accept
 
 log = logging.getLogger("deltaserve.engine")
+
+# a prefill that reports prompt logprobs keeps logits for every position: [T, V] float32 (124 MB at 128 tokens
+# of a 248k vocabulary), so it goes in chunks of at most this many tokens
+LOGPROB_CHUNK = 128
 
 
 class Scheduler:
@@ -42,18 +47,21 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, req: Request, speculator: Speculator | None = None) -> None:
-        if len(req.prompt_ids) + 1 > self.runner.max_len:
-            req.finish("error", f"the prompt has {len(req.prompt_ids)} tokens; the context holds "
-                                f"{self.runner.max_len}")
-            return
+        """Queue `req`; its followers (n > 1) come in with it and start from its prefilled state."""
         vocab = self.runner.model.config.vocab_size  # an id past the embedding would fail the whole batch
         bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
-        if bad:
-            req.finish("error", f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-            return
-        if speculator is not None:
-            self.speculators[req] = speculator
-        self.waiting.append(req)
+        error = (f"the prompt has {len(req.prompt_ids)} tokens; the context holds {self.runner.max_len}"
+                 if len(req.prompt_ids) + 1 > self.runner.max_len else
+                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})" if bad else None)
+        for member in [req, *req.followers]:
+            if error is not None:
+                member.finish("error", error)
+            elif speculator is not None and not (member.params.adjusts_logits or member.params.logprobs is not None):
+                # verification samples from the raw logits, without penalties or logprobs: such requests
+                # decode plainly (their output is the same either way)
+                self.speculators[member] = speculator
+        if error is None:
+            self.waiting.append(req)
 
     def step(self) -> None:
         self._drop_finished()
@@ -72,7 +80,8 @@ class Scheduler:
                 continue
             with self._serving([req]):
                 req.slot, req.n_fed = self.runner.acquire(req.prompt_ids, req.marks)
-                if not req.cache_prompt and req.n_fed:
+                # prompt logprobs need the logits of every prompt position: nothing may come from the cache
+                if (not req.cache_prompt or req.params.prompt_logprobs is not None) and req.n_fed:
                     self.runner.reset(req.slot)
                     req.n_fed = 0
                 req.cached = req.n_fed
@@ -157,24 +166,54 @@ class Scheduler:
         for req in [r for r in self.running if r.prefilling and not r.cancelled]:
             if budget <= 0:
                 break
-            chunk = req.prompt_ids[req.n_fed:req.n_fed + budget]
+            top = req.params.prompt_logprobs
+            chunk = req.prompt_ids[req.n_fed:req.n_fed + (budget if top is None else min(budget, LOGPROB_CHUNK))]
             budget -= len(chunk)
             with self._serving([req]):
-                logits = self.runner.forward([req.slot], [chunk])
+                if top is None:
+                    logits = self.runner.forward([req.slot], [chunk])
+                else:
+                    every = self.runner.forward([req.slot], [chunk], logits="all")[0]  # [T, V]
+                    start = req.n_fed
+                    ahead = req.prompt_ids[start + 1:start + 1 + len(chunk)]  # the token each position predicts
+                    req.prompt_logprobs += prompt_logprobs(every[:len(ahead)], ahead, top)
+                    logits = every[-1:]
                 req.n_fed += len(chunk)
                 if not req.prefilling:
-                    if req.params.max_tokens == 0:
-                        req.finish("length")
-                    else:
-                        self._take_samples([req], logits)
+                    self._prefilled(req, logits)
+
+    def _prefilled(self, req: Request, logits: torch.Tensor) -> None:
+        """The prompt is in: the request samples its first token from `logits` [1, V], and each follower
+        (n > 1) takes a copy of its state and samples its own; followers with no free slot queue first and
+        prefill by themselves."""
+        followers, req.followers = req.followers, []
+        group = [req]
+        for i, other in enumerate(followers):
+            if not self.runner.free_slots():
+                self.waiting.extendleft(reversed(followers[i:]))
+                break
+            other.slot, other.n_fed, other.cached = self.runner.fork(req.slot), len(req.prompt_ids), req.cached
+            other.prompt_logprobs = list(req.prompt_logprobs)
+            if other in self.speculators:
+                self.speculators[other].drafter.reset([other.slot])
+            self.running.append(other)
+            group.append(other)
+        for member in group:
+            if member.params.max_tokens == 0:
+                member.finish("length")
+            else:
+                self._take_samples([member], logits)
 
     def _take_samples(self, reqs: list[Request], logits: torch.Tensor) -> None:
         """Sample and take a token for each request on its own: one that fails there fails alone, and the
         others' generators advance exactly as they would have without it."""
         for i, req in enumerate(reqs):
             with self._serving([req]):
-                token = sample(logits[i:i + 1], [req.params], [req.generator])[0]
-                req.add_token(token, room=self.runner.room(req.slot))
+                p = req.params
+                row = process_logits(logits[i], p, req.prompt_ids, req.output_ids, req.end_ids)
+                token = sample(row[None], [p], [req.generator])[0]
+                logprob = token_logprob(logits[i], token, p.logprobs) if p.logprobs is not None else None
+                req.add_token(token, room=self.runner.room(req.slot), logprob=logprob)
 
     # ------------------------------------------------------------------ errors
     def _batched(self, reqs: list[Request], run: Callable[[list[Request]], None],
@@ -241,6 +280,10 @@ class Scheduler:
                 self.speculators[req].drafter.reset([req.slot])
 
     def _drop_finished(self) -> None:
+        for req in [*self.waiting, *self.running]:
+            if (req.cancelled or req.done is not None) and req.followers:  # it never forked: they run alone
+                self.waiting.extend(req.followers)
+                req.followers = []
         for req in [r for r in self.waiting if r.cancelled or r.done is not None]:
             self.waiting.remove(req)
             req.finish("cancelled")

@@ -10,6 +10,7 @@ import asyncio
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, PlainTextResponse
 
 from deltaserve.engine.engine import Engine
@@ -17,9 +18,10 @@ from deltaserve.errors import DeltaserveError
 
 from . import errors, slots
 from .errors import JSON, APIError, echo
-from .generation import SHUTTING_DOWN, Generation, Inflight
+from .generation import SHUTTING_DOWN, Generation, Inflight, Prompt
 from .middleware import Guard
 from .schemas import ChatBody, CompletionBody
+from .tokenize import install_tokenize
 
 CHAT_PAGE = Path(__file__).with_name("chat.html")
 MAX_REQUEST_BYTES = 4 * 2**20  # a prompt filling a 256k-token context is about 1 MB of text
@@ -30,10 +32,12 @@ RETRY_AFTER_SECONDS = 1
 
 
 def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
-               max_queue: int | None = None, slot_save_path: str | Path | None = None) -> FastAPI:
-    """The API over `engine`; max_queue None: QUEUE_PER_SLOT per slot; slot_save_path: the folder of the
-    slot save / restore files (None: off). app.state.inflight.shutdown() ends every request in flight (on
-    SIGTERM)."""
+               max_queue: int | None = None, allowed_origins: list[str] | None = None,
+               slot_save_path: str | Path | None = None) -> FastAPI:
+    """The API over `engine`; max_queue None: QUEUE_PER_SLOT per slot. app.state.inflight.shutdown() ends
+    every request in flight (on SIGTERM). allowed_origins: web origins that may call the API (CORS); a
+    browser's preflight is answered before the API key is checked, since browsers send it without one.
+    slot_save_path: the folder of the slot save / restore files (None: off)."""
     if max_queue is None:
         max_queue = QUEUE_PER_SLOT * engine.runner.n_slots
     app = FastAPI(title="deltaserve", docs_url=None, redoc_url=None, default_response_class=JSON)
@@ -41,6 +45,9 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
     app.state.inflight = inflight
     errors.install(app)
     app.add_middleware(Guard, api_key=api_key, max_body=max_request_bytes, closing=lambda: inflight.closing)
+    if allowed_origins:  # added last: outermost
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
     prompts = Prompts(engine)
     slots.install(app, engine, slot_save_path)
 
@@ -61,17 +68,20 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
     async def chat_page():
         return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"))
 
-    async def generate(request: Request, body: CompletionBody | ChatBody, ids: list[int], max_tokens: int | None,
-                       chat: bool, marks: tuple[int, ...]):
-        params = body.sampling(_max_tokens(engine, ids, max_tokens, "messages" if chat else "prompt"))
+    async def generate(request: Request, body: CompletionBody | ChatBody, prompts_in: list[Prompt],
+                       max_tokens: int | None, chat: bool):
+        param = "messages" if chat else "prompt"
+        longest = max(prompts_in, key=lambda p: len(p.ids)).ids
+        n = _choices(engine, body, len(prompts_in), max_queue)
+        params = body.sampling(_max_tokens(engine, longest, max_tokens, param))
         if inflight.closing:  # it began while this prompt was being tokenised
             raise APIError(503, SHUTTING_DOWN, kind="server_error", code="server_shutting_down")
         if engine.waiting_for_slot() >= max_queue:
             raise APIError(503, f"the server is busy: {max_queue} requests are already waiting for a slot; "
                                 f"retry later", kind="server_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-        gen = Generation(engine, inflight, ids, params, chat=chat, token_ids=bool(body.return_token_ids),
-                         stream=bool(body.stream), marks=marks, cache_prompt=body.cache_prompt is not False)
+        gen = Generation(engine, inflight, prompts_in, params, chat=chat, token_ids=bool(body.return_token_ids),
+                         stream=bool(body.stream), n=n, cache_prompt=body.cache_prompt is not False)
         if body.stream:
             return gen.stream(bool(body.stream_options and body.stream_options.include_usage))
         return await gen.result(request)
@@ -79,9 +89,12 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
         _check_model(engine, body.model)
-        ids = await prompts.completion(body.prompt)
-        return await generate(request, body, ids, 16 if body.max_tokens is None else body.max_tokens, chat=False,
-                              marks=(len(ids),))
+        batch = []
+        for prompt in body.prompts:
+            ids = await prompts.completion(prompt)
+            echo_text = (prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids)) if body.echo else None
+            batch.append(Prompt(ids, (len(ids),), echo_text))
+        return await generate(request, body, batch, 16 if body.max_tokens is None else body.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
@@ -89,8 +102,9 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
         ids, reply_start = await prompts.chat([{"role": m.role, "content": m.content} for m in body.messages])
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         # checkpoints where the next turn's prompt leaves this one, and at its end
-        return await generate(request, body, ids, max_tokens, chat=True, marks=(reply_start, len(ids)))
+        return await generate(request, body, [Prompt(ids, (reply_start, len(ids)))], max_tokens, chat=True)
 
+    install_tokenize(app, engine, prompts)
     return app
 
 
@@ -154,6 +168,25 @@ def _max_tokens(engine: Engine, ids: list[int], max_tokens: int | None, param: s
         raise APIError(400, f"max_tokens {max_tokens} plus the prompt's {len(ids)} tokens exceed this model's "
                             f"context of {engine.max_len} tokens", "max_tokens", "context_length_exceeded")
     return max_tokens
+
+
+def _choices(engine: Engine, body: CompletionBody | ChatBody, n_prompts: int, max_queue: int) -> int:
+    """n, once the request's choices and the token ids it names are known to be servable."""
+    n = body.n or 1
+    if n > engine.runner.n_slots:
+        raise APIError(400, f"n is {n}; this server runs at most {engine.runner.n_slots} choices at once (its "
+                            f"slots, serve --slots)", "n")
+    if isinstance(body, CompletionBody) and body.best_of not in (None, n):
+        raise APIError(400, f"best_of must equal n ({n}): this server generates no choices to drop", "best_of")
+    if n * n_prompts > engine.runner.n_slots + max_queue:
+        raise APIError(400, f"{n_prompts} prompts x n={n} make {n * n_prompts} choices; this server takes at most "
+                            f"{engine.runner.n_slots + max_queue} in one request", "prompt")
+    for param, ids in (("logit_bias", [int(k) for k in body.logit_bias or {}]),
+                       ("stop_token_ids", body.stop_token_ids or [])):
+        bad = [t for t in ids if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {engine.vocab_size}), got {bad[:5]}", param)
+    return n
 
 
 def _check_model(engine: Engine, name: str | None):

@@ -12,15 +12,18 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.request import Delta, Done
+from deltaserve.engine.request import Request as EngineRequest
 from deltaserve.engine.sampling import SamplingParams
 
 from .errors import APIError, error_body
+from .logprobs import LogprobFormatter, first_token
 
 log = logging.getLogger("deltaserve.server")
 
@@ -53,22 +56,40 @@ class Inflight:
             queue.put_nowait(SHUTDOWN)
 
 
-class Generation:
-    """One submitted request: what the routes need to wait for it or stream it."""
+@dataclass
+class Prompt:
+    """One prompt of a request: its ids, the positions to checkpoint, and the text echoed before each of its
+    choices (completions' echo; None: no echo)."""
 
-    def __init__(self, engine: Engine, inflight: Inflight, ids: list[int], params: SamplingParams, *, chat: bool,
-                 token_ids: bool, stream: bool, marks: tuple[int, ...] = (), cache_prompt: bool = True):
-        """stream: the Deltas are wanted; without it only the Done crosses to the event loop, so that the
-        wait for it times out, and checks the connection, every POLL_SECONDS."""
+    ids: list[int]
+    marks: tuple[int, ...] = ()
+    echo: str | None = None
+
+
+class Generation:
+    """One request's choices (n per prompt) submitted together: what the routes need to wait for them or
+    stream them. Choice p * n + j is the j-th of prompt p, as OpenAI numbers them."""
+
+    def __init__(self, engine: Engine, inflight: Inflight, prompts: list[Prompt], params: SamplingParams, *,
+                 chat: bool, token_ids: bool, stream: bool, n: int = 1, cache_prompt: bool = True):
+        """stream: the Deltas are wanted; without it only the Dones cross to the event loop, so that the
+        wait for them times out, and checks the connection, every POLL_SECONDS."""
         self.engine, self.inflight, self.chat, self.token_ids = engine, inflight, chat, token_ids
+        self.params, self.prompts, self.n = params, prompts, n
+        self.fmt = LogprobFormatter(engine.tokenizer)
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
 
-        def on_event(event) -> None:  # in the engine thread
-            if stream or isinstance(event, Done):
-                loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        def handler(index: int):
+            def on_event(event) -> None:  # in the engine thread
+                if stream or isinstance(event, Done):
+                    loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+            return on_event
 
-        self.req = engine.submit(ids, params, on_event, marks=marks, cache_prompt=cache_prompt)
+        self.reqs = []
+        for p, prompt in enumerate(prompts):
+            self.reqs += engine.submit_choices(prompt.ids, params.choices(n), [handler(p * n + j) for j in range(n)],
+                                               marks=prompt.marks, cache_prompt=cache_prompt)
         inflight.loop = loop
         inflight.queues.add(self.queue)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -77,39 +98,66 @@ class Generation:
         self.include_usage = False
 
     def close(self) -> None:
-        """The client has what it gets: stop the engine request if it still runs."""
+        """The client has what it gets: stop the engine requests that still run."""
         self.inflight.queues.discard(self.queue)
-        if self.req.done is None:
-            self.engine.cancel(self.req)
+        for req in self.reqs:
+            if req.done is None:
+                self.engine.cancel(req)
 
     async def result(self, request: Request) -> dict:
-        """The response body once the request is done; APIError if it failed or the server shuts down."""
+        """The response body once every choice is done; APIError if one failed or the server shuts down."""
+        dones: dict[int, Done] = {}
         try:
-            while True:
+            while len(dones) < len(self.reqs):
                 try:
-                    event = await asyncio.wait_for(self.queue.get(), timeout=POLL_SECONDS)
+                    item = await asyncio.wait_for(self.queue.get(), timeout=POLL_SECONDS)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         raise APIError(499, "the client closed the connection", code="client_closed") from None
                     continue
-                if event is SHUTDOWN or (isinstance(event, Done) and event.reason == "cancelled"):
+                if item is SHUTDOWN or item[1].reason == "cancelled":
                     raise APIError(503, SHUTTING_DOWN, kind="server_error", code="server_shutting_down")
-                if isinstance(event, Done):
-                    return self._body(event)
+                if item[1].reason == "error":
+                    log.error("request %d failed: %s", self.reqs[item[0]].id, item[1].error)
+                    raise APIError(500, ENGINE_FAILED, kind="server_error", code="engine_error")
+                dones[item[0]] = item[1]
+            return self._body([dones[i] for i in range(len(self.reqs))])
         finally:
             self.close()
 
-    def _body(self, done: Done) -> dict:
-        if done.reason == "error":
-            log.error("request %d failed: %s", self.req.id, done.error)
-            raise APIError(500, ENGINE_FAILED, kind="server_error", code="engine_error")
-        choice = ({"index": 0, "message": {"role": "assistant", "content": done.text}} if self.chat
-                  else {"index": 0, "text": done.text, "logprobs": None})
-        choice["finish_reason"] = done.reason
-        if self.token_ids:
-            choice["token_ids"] = done.token_ids
+    def _body(self, dones: list[Done]) -> dict:
+        choices = []
+        for index, done in enumerate(dones):
+            if self.chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": done.text},
+                          "logprobs": self.fmt.chat(done.logprobs) if self.params.logprobs is not None else None}
+            else:
+                prompt = self.prompts[index // self.n]
+                choice = {"index": index, "text": (prompt.echo or "") + done.text,
+                          "logprobs": self._legacy(self._echoed(prompt, done) + done.logprobs)}
+            choice["finish_reason"] = done.reason
+            if self.token_ids:
+                choice["token_ids"] = done.token_ids
+            choices.append(choice)
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.engine.model_name,
-                "choices": [choice], "usage": usage(done)}
+                "choices": choices, "usage": self._usage(dones)}
+
+    def _echoed(self, prompt: Prompt, done: EngineRequest | Done) -> list:
+        """The prompt's logprob entries of a completion choice: under echo with logprobs, the first token
+        (with nulls) and those the prefill reported."""
+        if prompt.echo is None or self.params.logprobs is None:
+            return []
+        return [first_token(prompt.ids[0]), *done.prompt_logprobs]
+
+    def _legacy(self, entries: list) -> dict | None:
+        return self.fmt.completion(entries) if self.params.logprobs is not None else None
+
+    def _usage(self, dones: list[Done]) -> dict:
+        """Each prompt counts once, whatever n; its cached tokens are those of its first choice, which
+        prefilled it."""
+        leaders = dones[::self.n]
+        return usage(sum(d.prompt_tokens for d in leaders), sum(d.completion_tokens for d in dones),
+                     sum(d.cached_tokens for d in leaders))
 
     def stream(self, include_usage: bool) -> StreamingResponse:
         self.include_usage = include_usage
@@ -117,51 +165,75 @@ class Generation:
                        headers={"Cache-Control": "no-cache"})
 
     async def _events(self):
-        """Server-sent events, always ending with a final event (finish_reason or an error) and [DONE]."""
-        sent_ids = 0
+        """Server-sent events, always ending with a final event per choice (its finish_reason) or an error,
+        and [DONE]."""
+        total = len(self.reqs)
+        sent_ids, offsets, dones, opened = [0] * total, [0] * total, {}, set()
         try:
-            if self.chat:
-                yield self._chunk(None, role=True)
-            while True:
-                event = await self.queue.get()
+            for index in range(total) if self.chat else ():
+                yield self._chunk(index, None, role=True)
+            while len(dones) < total:
+                item = await self.queue.get()
+                if item is SHUTDOWN or (isinstance(item[1], Done) and item[1].reason in ("cancelled", "error")):
+                    for line in self._failure(item):
+                        yield line
+                    return
+                index, event = item
+                prompt = self.prompts[index // self.n]
+                if not self.chat and prompt.echo is not None and index not in opened:  # the prompt has been read
+                    opened.add(index)
+                    yield self._chunk(index, prompt.echo, logprobs=self._piece_logprobs(
+                        self._echoed(prompt, self.reqs[index]), index, offsets))
                 if isinstance(event, Delta):
-                    sent_ids += len(event.token_ids)
-                    yield self._chunk(event.text, ids=event.token_ids)
-                    continue
-                for line in self._ending(event, sent_ids):
-                    yield line
-                return
+                    ids, logprobs, text, finish = event.token_ids, event.logprobs, event.text, None
+                else:
+                    dones[index] = event
+                    ids, logprobs = event.token_ids[sent_ids[index]:], event.logprobs[sent_ids[index]:]
+                    text, finish = None, event.reason
+                sent_ids[index] += len(ids)
+                yield self._chunk(index, text, ids=ids, logprobs=self._piece_logprobs(logprobs, index, offsets),
+                                  finish=finish)
+            if self.include_usage:
+                yield _sse({"id": self.id, "object": self._chunk_kind, "created": self.created,
+                            "model": self.engine.model_name, "choices": [],
+                            "usage": self._usage([dones[i] for i in range(total)])})
+            yield "data: [DONE]\n\n"
         except Exception:  # the response has started: the client gets a final error event instead of a 500
             log.exception("stream %s failed", self.id)
             yield _sse(error_body(ENGINE_FAILED, "server_error", code="engine_error"))
             yield "data: [DONE]\n\n"
-        finally:  # done, or the client went away: free the slot
+        finally:  # done, or the client went away: free the slots
             self.close()
 
-    def _ending(self, event, sent_ids: int) -> list[str]:
-        if event is SHUTDOWN or event.reason == "cancelled":
-            lines = [_sse(error_body(SHUTTING_DOWN, "server_error", code="server_shutting_down"))]
-        elif event.reason == "error":
-            log.error("request %d failed: %s", self.req.id, event.error)
-            lines = [_sse(error_body(ENGINE_FAILED, "server_error", code="engine_error"))]
+    def _piece_logprobs(self, entries: list, index: int, offsets: list[int]) -> dict | None:
+        if self.params.logprobs is None:
+            return None
+        if self.chat:
+            return self.fmt.chat(entries)
+        out = self.fmt.completion(entries, offsets[index])
+        offsets[index] += sum(len(t) for t in out["tokens"])
+        return out
+
+    def _failure(self, item) -> list[str]:
+        """The end of a stream whose choice was cancelled (the server shuts down) or failed."""
+        if item is SHUTDOWN or item[1].reason == "cancelled":
+            body = error_body(SHUTTING_DOWN, "server_error", code="server_shutting_down")
         else:
-            lines = [self._chunk(None, finish=event.reason, ids=event.token_ids[sent_ids:])]
-            if self.include_usage:
-                lines.append(_sse({"id": self.id, "object": self._chunk_kind, "created": self.created,
-                                   "model": self.engine.model_name, "choices": [], "usage": usage(event)}))
-        return [*lines, "data: [DONE]\n\n"]
+            log.error("request %d failed: %s", self.reqs[item[0]].id, item[1].error)
+            body = error_body(ENGINE_FAILED, "server_error", code="engine_error")
+        return [_sse(body), "data: [DONE]\n\n"]
 
     @property
     def _chunk_kind(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def _chunk(self, text: str | None, finish: str | None = None, role: bool = False,
-               ids: list[int] | None = None) -> str:
+    def _chunk(self, index: int, text: str | None, finish: str | None = None, role: bool = False,
+               ids: list[int] | None = None, logprobs: dict | None = None) -> str:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         if self.token_ids:
             choice["token_ids"] = ids or []
         body = {"id": self.id, "object": self._chunk_kind, "created": self.created, "model": self.engine.model_name,
@@ -187,10 +259,10 @@ class _Stream(StreamingResponse):
             self.on_close()
 
 
-def usage(done: Done) -> dict:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _sse(body: dict) -> str:

@@ -4,11 +4,13 @@ engine do per token is bounded (stop strings)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from deltaserve.engine.sampling import SEED_MAX, SEED_MIN, SamplingParams
+from deltaserve.engine.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+
+from .errors import echo
 
 # Each stop string is searched for after every token, and text that may still become one is held back:
 # OpenAI allows 4; a few more for clients that list variants, each long enough for any real delimiter.
@@ -16,6 +18,19 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000
 # Messages are validated on the event loop, about 10 us each: 60,000 of them (2 MB) held it for 0.6 s.
 MAX_MESSAGES = 4096
+MAX_LOGIT_BIAS = 300  # OpenAI's bound
+MAX_N = 64  # choices per prompt; the server also bounds them by its slots
+# chat parameters of OpenAI's API that this server refuses: (why, the one value that is accepted)
+REFUSED = {
+    "audio": ("the models served output text only", None),
+    "modalities": ("the models served output text only", ["text"]),
+    "prediction": ("predicted outputs are not implemented", None),
+    "web_search_options": ("there is no web search", None),
+    "moderation": ("there is no moderation model", None),
+    "verbosity": ("the models served have no verbosity setting", None),
+    "prompt_cache_retention": ("the prompt cache keeps entries by its own memory budget", None),
+    "prompt_cache_options": ("the prompt cache keeps entries by its own memory budget", None),
+}
 
 
 def valid_unicode(text: str) -> str:
@@ -44,7 +59,20 @@ class _Body(BaseModel):
     stop: list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(default=1, ge=1, le=1)
+    n: int | None = Field(default=1, ge=1, le=MAX_N)  # at most the server's slots (app)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)  # vLLM's extension, as llama-server's
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    min_tokens: int | None = Field(default=None, ge=0)  # vLLM's extension
+    stop_token_ids: list[int] | None = None  # vLLM's extension
+    # identifiers and tags OpenAI keeps for monitoring and cache routing: accepted, they change no output
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    store: bool | None = None
     return_token_ids: bool | None = False  # vLLM's extension: the generated ids in each choice and chunk
     ignore_eos: bool | None = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
     cache_prompt: bool | None = True  # llama-server's: False prefills the whole prompt, reusing nothing
@@ -62,11 +90,53 @@ class _Body(BaseModel):
                 raise ValueError(f"each stop string must have 1 to {MAX_STOP_CHARS} characters, got {len(s)}")
         return stops
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_keys(cls, bias):
+        if isinstance(bias, dict):
+            if len(bias) > MAX_LOGIT_BIAS:  # each is applied at every step
+                raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+            for key, value in bias.items():
+                if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+                    raise ValueError(f"keys must be token ids written as strings, got '{echo(str(key))}'")
+                if type(value) in (int, float) and not -100 <= value <= 100:
+                    raise ValueError(f"the bias of token {key} must be in [-100, 100], got {value}")
+            return {k: float(v) if type(v) is int else v for k, v in bias.items()}
+        return bias
+
+    @field_validator("store")
+    @classmethod
+    def _nothing_stored(cls, store):
+        if store:
+            raise ValueError("this server stores no completions: store must be false or absent")
+        return store
+
     def sampling(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=_default(self.temperature, 1.0),
                               top_k=_default(self.top_k, 0), top_p=_default(self.top_p, 1.0),
                               min_p=_default(self.min_p, 0.0), seed=self.seed, stop=list(self.stop or []),
-                              ignore_eos=bool(self.ignore_eos))
+                              ignore_eos=bool(self.ignore_eos), presence_penalty=_default(self.presence_penalty, 0.0),
+                              frequency_penalty=_default(self.frequency_penalty, 0.0),
+                              repetition_penalty=_default(self.repetition_penalty, 1.0),
+                              logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+                              min_tokens=_default(self.min_tokens, 0), stop_token_ids=list(self.stop_token_ids or []),
+                              **self._logprobs())
+
+    def _logprobs(self) -> dict:
+        return {}
+
+
+
+class _Refusing(BaseModel):
+    """Parameters of OpenAI's API this server cannot honour: a request that sets one gets a 400 naming it
+    rather than an answer that silently ignores it. A null is the default and passes."""
+
+    @field_validator(*REFUSED, mode="before", check_fields=False)
+    @classmethod
+    def _refuse(cls, value, info):
+        if value is not None and value != REFUSED[info.field_name][1]:
+            raise ValueError(f"not supported by this server: {REFUSED[info.field_name][0]}")
+        return value
 
 
 class StreamOptions(BaseModel):
@@ -75,7 +145,11 @@ class StreamOptions(BaseModel):
 
 
 class CompletionBody(_Body):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(default=None, ge=1)  # only best_of == n: no choice is generated to be dropped
+    suffix: str | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -84,7 +158,28 @@ class CompletionBody(_Body):
             return valid_unicode(prompt)
         if isinstance(prompt, list) and all(type(t) is int for t in prompt):
             return prompt
-        raise ValueError("prompt must be a string or a list of token ids (integers)")
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            return [valid_unicode(p) for p in prompt]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, list) and all(type(t) is int for t in p)
+                                                       for p in prompt):
+            return prompt
+        raise ValueError("prompt must be a string, a list of token ids (integers), or a non-empty list of either")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix):
+        if suffix:
+            raise ValueError("not supported by this server: the models served do not fill in the middle")
+        return suffix
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of a batched request, one per choice group (a single prompt is a list of one)."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or not p or isinstance(p[0], int) else p
+
+    def _logprobs(self) -> dict:
+        return {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs if self.echo else None}
 
 
 class Message(BaseModel):
@@ -112,9 +207,29 @@ class Message(BaseModel):
         return "".join(texts)
 
 
-class ChatBody(_Body):
+class ChatBody(_Body, _Refusing):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=0)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    verbosity: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, top, info):
+        if top is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return top
+
+    def _logprobs(self) -> dict:
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
 
 def _default(value, default):
