@@ -166,7 +166,7 @@ def cmd_serve(args):
         n = engine.runner.cache.load_checkpoints(args.cache_dir, model)
         print(f"deltaserve: {n} prefix checkpoints loaded from {args.cache_dir}", file=sys.stderr)
     app = create_app(engine, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                     max_queue=args.max_queue)
+                     max_queue=args.max_queue, tool_call_parser=args.tool_call_parser)
     print(f"deltaserve: serving {name} on http://{args.host}:{args.port} (chat page at /)", file=sys.stderr)
     try:
         serve(app, args.host, args.port)
@@ -242,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "at shutdown; files of another model, or damaged, are ignored with a warning)")
     serve.add_argument("--max-queue", type=_int(0), default=None,
                        help="requests that may wait for a slot; more get 503 with Retry-After (default: twice --slots)")
+    # server.chat_output.PARSERS, written out: importing it would import torch (a test keeps them equal)
+    serve.add_argument("--tool-call-parser", choices=("auto", "qwen3_coder", "hermes", "none"), default="auto",
+                       help="the form tool calls are read in when a request has tools: qwen3_coder (XML, Qwen3.5), "
+                            "hermes (JSON, Qwen3 / Qwen3-Next), none (left in the content); auto: the one the "
+                            "chat template writes (default)")
     serve.set_defaults(fn=cmd_serve)
 
     bench = sub.add_parser("bench", help="prefill / decode tokens/s and peak memory of a model (or 'ops')",

@@ -16,10 +16,12 @@ from deltaserve.engine.engine import Engine
 from deltaserve.errors import DeltaserveError
 
 from . import errors
+from .chat_output import OutputFormat, call_form
+from .chat_request import chat_inputs
 from .errors import JSON, APIError, echo
 from .generation import SHUTTING_DOWN, Generation, Inflight
 from .middleware import Guard
-from .schemas import ChatBody, CompletionBody
+from .schemas import ChatBody, CompletionBody, valid_unicode
 
 CHAT_PAGE = Path(__file__).with_name("chat.html")
 MAX_REQUEST_BYTES = 4 * 2**20  # a prompt filling a 256k-token context is about 1 MB of text
@@ -30,9 +32,11 @@ RETRY_AFTER_SECONDS = 1
 
 
 def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
-               max_queue: int | None = None) -> FastAPI:
+               max_queue: int | None = None, tool_call_parser: str = "auto") -> FastAPI:
     """The API over `engine`; max_queue None: QUEUE_PER_SLOT per slot. app.state.inflight.shutdown() ends
-    every request in flight (on SIGTERM)."""
+    every request in flight (on SIGTERM). tool_call_parser: the form tool calls are read in (chat_output.PARSERS;
+    auto: the chat template's)."""
+    form = call_form(tool_call_parser, engine.tokenizer.template)
     if max_queue is None:
         max_queue = QUEUE_PER_SLOT * engine.runner.n_slots
     app = FastAPI(title="deltaserve", docs_url=None, redoc_url=None, default_response_class=JSON)
@@ -60,7 +64,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
         return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"))
 
     async def generate(request: Request, body: CompletionBody | ChatBody, ids: list[int], max_tokens: int | None,
-                       chat: bool, marks: tuple[int, ...]):
+                       chat: bool, marks: tuple[int, ...], output: OutputFormat | None = None):
         params = body.sampling(_max_tokens(engine, ids, max_tokens, "messages" if chat else "prompt"))
         if inflight.closing:  # it began while this prompt was being tokenised
             raise APIError(503, SHUTTING_DOWN, kind="server_error", code="server_shutting_down")
@@ -69,7 +73,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
                                 f"retry later", kind="server_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         gen = Generation(engine, inflight, ids, params, chat=chat, token_ids=bool(body.return_token_ids),
-                         stream=bool(body.stream), marks=marks, cache_prompt=body.cache_prompt is not False)
+                         stream=bool(body.stream), marks=marks, cache_prompt=body.cache_prompt is not False,
+                         output=output)
         if body.stream:
             return gen.stream(bool(body.stream_options and body.stream_options.include_usage))
         return await gen.result(request)
@@ -84,10 +89,12 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
         _check_model(engine, body.model)
-        ids, reply_start = await prompts.chat([{"role": m.role, "content": m.content} for m in body.messages])
+        inputs = chat_inputs(body)
+        ids, reply_start, prompt = await prompts.chat(inputs.messages, inputs.options)
+        output = OutputFormat.of(form, engine.tokenizer.template, prompt, inputs.tools)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         # checkpoints where the next turn's prompt leaves this one, and at its end
-        return await generate(request, body, ids, max_tokens, chat=True, marks=(reply_start, len(ids)))
+        return await generate(request, body, ids, max_tokens, chat=True, marks=(reply_start, len(ids)), output=output)
 
     return app
 
@@ -108,16 +115,19 @@ class Prompts:
             return self._checked(await asyncio.to_thread(self._encode, prompt, "prompt"), "prompt", tokenized=True)
         return self._checked(prompt, "prompt", tokenized=False)
 
-    async def chat(self, messages: list[dict]) -> tuple[list[int], int]:
-        """The chat prompt's ids, and how many of them a later turn's prompt shares (Tokenizer.reply_start)."""
-        ids, start = await asyncio.to_thread(self._render, messages)
-        return self._checked(ids, "messages", tokenized=True), start
+    async def chat(self, messages: list[dict], options: dict) -> tuple[list[int], int, str]:
+        """The chat prompt's ids, how many of them a later turn's prompt shares (Tokenizer.reply_start), and
+        its text (Tokenizer.chat_prompt's `options`: tools, template variables)."""
+        ids, start, text = await asyncio.to_thread(self._render, messages, options)
+        return self._checked(ids, "messages", tokenized=True), start, text
 
-    def _render(self, messages: list[dict]) -> tuple[list[int], int]:
+    def _render(self, messages: list[dict], options: dict) -> tuple[list[int], int, str]:
         try:
-            ids = self._encode(self.tok.chat_prompt(messages), "messages")
-            return ids, self.tok.reply_start(messages, ids)
-        except DeltaserveError as e:
+            text = self.tok.chat_prompt(messages, **options)
+            valid_unicode(text)  # a tool's schema or a template variable may carry an unpaired surrogate
+            ids = self._encode(text, "messages")
+            return ids, self.tok.reply_start(messages, ids, **options), text
+        except (DeltaserveError, ValueError) as e:
             raise APIError(400, f"messages: {e}", "messages") from None
 
     def _encode(self, text: str, param: str) -> list[int]:

@@ -20,6 +20,7 @@ from deltaserve.engine.engine import Engine
 from deltaserve.engine.request import Delta, Done
 from deltaserve.engine.sampling import SamplingParams
 
+from .chat_output import ChatOutput, OutputFormat
 from .errors import APIError, error_body
 
 log = logging.getLogger("deltaserve.server")
@@ -57,10 +58,13 @@ class Generation:
     """One submitted request: what the routes need to wait for it or stream it."""
 
     def __init__(self, engine: Engine, inflight: Inflight, ids: list[int], params: SamplingParams, *, chat: bool,
-                 token_ids: bool, stream: bool, marks: tuple[int, ...] = (), cache_prompt: bool = True):
+                 token_ids: bool, stream: bool, marks: tuple[int, ...] = (), cache_prompt: bool = True,
+                 output: OutputFormat | None = None):
         """stream: the Deltas are wanted; without it only the Done crosses to the event loop, so that the
-        wait for it times out, and checks the connection, every POLL_SECONDS."""
+        wait for it times out, and checks the connection, every POLL_SECONDS. output: how a chat reply is
+        read (reasoning, tool calls)."""
         self.engine, self.inflight, self.chat, self.token_ids = engine, inflight, chat, token_ids
+        self.reader = ChatOutput(output or OutputFormat()) if chat else None
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
 
@@ -103,9 +107,12 @@ class Generation:
         if done.reason == "error":
             log.error("request %d failed: %s", self.req.id, done.error)
             raise APIError(500, ENGINE_FAILED, kind="server_error", code="engine_error")
-        choice = ({"index": 0, "message": {"role": "assistant", "content": done.text}} if self.chat
-                  else {"index": 0, "text": done.text, "logprobs": None})
-        choice["finish_reason"] = done.reason
+        if self.chat:
+            self.reader.feed(done.text)
+            self.reader.finish()
+            choice = {"index": 0, "message": self.reader.message(), "finish_reason": self.reader.finish_reason(done.reason)}
+        else:
+            choice = {"index": 0, "text": done.text, "logprobs": None, "finish_reason": done.reason}
         if self.token_ids:
             choice["token_ids"] = done.token_ids
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.engine.model_name,
@@ -126,7 +133,9 @@ class Generation:
                 event = await self.queue.get()
                 if isinstance(event, Delta):
                     sent_ids += len(event.token_ids)
-                    yield self._chunk(event.text, ids=event.token_ids)
+                    deltas = (self.reader.feed(event.text) or [{}]) if self.chat else [None]
+                    for i, delta in enumerate(deltas):  # the event's token ids go with its first chunk
+                        yield self._chunk(event.text, ids=event.token_ids if i == 0 else [], delta=delta)
                     continue
                 for line in self._ending(event, sent_ids):
                     yield line
@@ -145,7 +154,9 @@ class Generation:
             log.error("request %d failed: %s", self.req.id, event.error)
             lines = [_sse(error_body(ENGINE_FAILED, "server_error", code="engine_error"))]
         else:
-            lines = [self._chunk(None, finish=event.reason, ids=event.token_ids[sent_ids:])]
+            lines = [self._chunk(None, delta=delta) for delta in (self.reader.finish() if self.chat else [])]
+            reason = self.reader.finish_reason(event.reason) if self.chat else event.reason
+            lines.append(self._chunk(None, finish=reason, ids=event.token_ids[sent_ids:]))
             if self.include_usage:
                 lines.append(_sse({"id": self.id, "object": self._chunk_kind, "created": self.created,
                                    "model": self.engine.model_name, "choices": [], "usage": usage(event)}))
@@ -156,9 +167,9 @@ class Generation:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
     def _chunk(self, text: str | None, finish: str | None = None, role: bool = False,
-               ids: list[int] | None = None) -> str:
+               ids: list[int] | None = None, delta: dict | None = None) -> str:
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            delta = {"role": "assistant", "content": ""} if role else delta or {}
             choice = {"index": 0, "delta": delta, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}

@@ -57,10 +57,15 @@ def test_streaming_completion_with_usage(client, reference):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
 def test_chat_uses_the_chat_template(client, reference):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
-    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
-    prompt = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                         extra_body=NO_THINKING)
+    prompt = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     expected = reference.generate(prompt, max_tokens=10, temperature=0)
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == expected.text
@@ -70,11 +75,11 @@ def test_chat_uses_the_chat_template(client, reference):
 def test_chat_streaming_and_max_completion_tokens(client, reference):
     messages = [{"role": "user", "content": "Tell me a story"}]
     stream = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=8, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+                                            stream=True, stream_options={"include_usage": True}, extra_body=NO_THINKING)
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    prompt = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    prompt = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False)
     assert text == reference.generate(prompt, max_tokens=8, temperature=0).text
     assert chunks[-1].usage.completion_tokens == 8
 
