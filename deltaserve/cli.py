@@ -126,26 +126,9 @@ def cmd_run(args):
 
 
 def cmd_chat(args):
-    llm = _load(args)
-    tok = llm.tokenizer
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("deltaserve chat: empty line or Ctrl-D to quit", file=sys.stderr)
-    while True:
-        try:  # a prompt and line editing on a terminal; plain lines from a pipe
-            line = input("> ") if sys.stdin.isatty() else sys.stdin.readline()
-        except EOFError:
-            break
-        if not line.strip():
-            break
-        line = line.strip()
-        messages.append({"role": "user", "content": line})
-        reply = []
-        for piece in llm.generate(tok.chat_prompt(messages), stream=True, **_sampling(args)):
-            reply.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": "".join(reply)})
+    from deltaserve.chat import chat
+
+    chat(_load(args), args, _sampling(args))
 
 
 def cmd_serve(args):
@@ -220,9 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal",
                           description="Chat with a model in the terminal, using its chat template (a model without "
-                                      "one sees the conversation as a play script).")
+                                      "one sees the conversation as a play script). /exit, an empty line or Ctrl-D "
+                                      "quits; Ctrl-C stops the reply being written; /think on|off switches "
+                                      "thinking. Each reply draws a fresh seed unless --seed fixes them all.")
     _add_model_args(chat)
     chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--no-think", action="store_true",
+                      help="start with thinking off (the template's enable_thinking=false); /think on|off switches it")
     _add_sampling_args(chat)
     chat.set_defaults(fn=cmd_chat)
 

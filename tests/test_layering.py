@@ -23,7 +23,7 @@ RANKS = {
     "": 4,  # the package itself: `deltaserve.LLM` is the engine's
     "server": 5,
     "bench": 6, "train": 6,
-    "cli": 7, "__main__": 7,
+    "cli": 7, "__main__": 7, "chat": 7,
 }
 
 KNOWN: set[str] = set()  # violations allowed for now: none

@@ -1,0 +1,107 @@
+"""Tool calls and thinking through real clients against a real server: the openai SDK (whole and streamed,
+the call's result sent back) and LangChain's ChatOpenAI.bind_tools. The model is fitted (toolmodel.py) to
+answer exactly these conversations with hand-written replies, so the clients see a call only if the server
+rendered their tools and history into the very prompt the model was fitted on and parsed its reply."""
+
+import json
+
+import pytest
+
+from deltaserve.engine.engine import Engine
+from deltaserve.engine.llm import load
+from deltaserve.server.app import create_app
+
+from .conftest import LiveServer
+from .toolmodel import ANSWER, CALL_ARGS, QUESTION, RESULT, THOUGHT, WEATHER, fitted_tool_model
+
+openai = pytest.importorskip("openai")
+ASK = [{"role": "user", "content": QUESTION}]
+
+
+@pytest.fixture(scope="module")
+def tool_engine(tmp_path_factory):
+    model, tokenizer = load(fitted_tool_model(tmp_path_factory.mktemp("tool") / "tool.gguf", [WEATHER]))
+    engine = Engine(model, tokenizer, n_slots=2, max_len=1024, prefill_chunk=64, model_name="tool")
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def tool_server(tool_engine):
+    live = LiveServer(create_app(tool_engine))
+    yield live
+    live.stop()
+
+
+@pytest.fixture
+def client(tool_server):
+    return openai.OpenAI(base_url=tool_server.url + "/v1", api_key="none", max_retries=0)
+
+
+def ask(client, messages=ASK, **kw):
+    return client.chat.completions.create(model="tool", messages=messages, tools=[WEATHER], temperature=0,
+                                          max_tokens=200, **kw)
+
+
+def test_a_call_with_its_thinking_and_typed_arguments(client):
+    choice = ask(client).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None and choice.message.model_extra["reasoning_content"] == THOUGHT
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}  # days typed by the schema
+
+
+def test_a_streamed_call_arrives_as_openai_streams_it(client):
+    chunks = [c for c in ask(client, stream=True) if c.choices]
+    deltas = [c.choices[0].delta for c in chunks]
+    reasoning = "".join(d.model_extra.get("reasoning_content") or "" for d in deltas)
+    calls = [call for d in deltas for call in d.tool_calls or []]
+    assert reasoning == THOUGHT and not "".join(d.content or "" for d in deltas)
+    first, rest = calls[0], calls[1:]
+    assert (first.index, first.type, first.function.name, first.function.arguments) == (0, "function", "get_weather", "")
+    assert first.id.startswith("call_") and rest and all(c.index == 0 and c.id is None and c.function.name is None
+                                                         for c in rest)
+    assert json.loads("".join(c.function.arguments for c in rest)) == CALL_ARGS
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_the_result_sent_back_gets_the_answer(client):
+    """The assistant's call (arguments as the JSON text the SDK returned) and the tool's result are rendered
+    into the history as the model was fitted on: it answers from the result."""
+    message = ask(client).choices[0].message
+    history = [*ASK, {"role": "assistant", "content": None, "reasoning_content": message.model_extra["reasoning_content"],
+                      "tool_calls": [c.model_dump() for c in message.tool_calls]},
+               {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": RESULT}]
+    choice = ask(client, history).choices[0]
+    assert (choice.message.content, choice.finish_reason, choice.message.tool_calls) == (ANSWER, "stop", None)
+    assert choice.message.model_extra["reasoning_content"] == "The tool answered."
+
+
+def test_tool_choice_none_leaves_the_call_in_the_text(client):
+    choice = ask(client, tool_choice="none").choices[0]
+    assert choice.finish_reason == "stop" and choice.message.tool_calls is None
+    assert choice.message.content.startswith("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n")
+
+
+def test_the_parser_option_none_reads_no_calls(tool_engine):
+    live = LiveServer(create_app(tool_engine, tool_call_parser="none"))
+    try:
+        plain = openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0)
+        message = ask(plain).choices[0].message
+    finally:
+        live.stop()
+    assert message.tool_calls is None and message.content.startswith("<tool_call>")
+
+
+def test_langchain_bind_tools_returns_the_call(tool_server):
+    chat_openai = pytest.importorskip("langchain_openai", reason="langchain-openai is not installed").ChatOpenAI
+    llm = chat_openai(base_url=tool_server.url + "/v1", api_key="none", model="tool", temperature=0, max_tokens=200,
+                      max_retries=0).bind_tools([WEATHER])
+    reply = llm.invoke(QUESTION)
+    assert [(c["name"], c["args"]) for c in reply.tool_calls] == [("get_weather", CALL_ARGS)]
+    chunks = list(llm.stream(QUESTION))
+    streamed = chunks[0]
+    for chunk in chunks[1:]:
+        streamed = streamed + chunk
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [("get_weather", CALL_ARGS)]
