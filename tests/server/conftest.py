@@ -54,6 +54,24 @@ def engine(tiny_gguf):
 
 
 @pytest.fixture(scope="session")
+def tool_engine(tmp_path_factory):
+    """An engine over the model fitted to answer toolmodel.conversations with tool calls."""
+    from .toolmodel import WEATHER, fitted_tool_model
+
+    model, tokenizer = load(fitted_tool_model(tmp_path_factory.mktemp("tool") / "tool.gguf", [WEATHER]))
+    eng = Engine(model, tokenizer, n_slots=2, max_len=1024, prefill_chunk=64, model_name="tool")
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="session")
+def tool_server(tool_engine):
+    live = LiveServer(create_app(tool_engine))
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="session")
 def server(engine):
     live = LiveServer(create_app(engine))
     yield live

@@ -7,30 +7,13 @@ import json
 
 import pytest
 
-from deltaserve.engine.engine import Engine
-from deltaserve.engine.llm import load
 from deltaserve.server.app import create_app
 
 from .conftest import LiveServer
-from .toolmodel import ANSWER, CALL_ARGS, QUESTION, RESULT, THOUGHT, WEATHER, fitted_tool_model
+from .toolmodel import ANSWER, CALL_ARGS, QUESTION, RESULT, THOUGHT, WEATHER
 
 openai = pytest.importorskip("openai")
 ASK = [{"role": "user", "content": QUESTION}]
-
-
-@pytest.fixture(scope="module")
-def tool_engine(tmp_path_factory):
-    model, tokenizer = load(fitted_tool_model(tmp_path_factory.mktemp("tool") / "tool.gguf", [WEATHER]))
-    engine = Engine(model, tokenizer, n_slots=2, max_len=1024, prefill_chunk=64, model_name="tool")
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def tool_server(tool_engine):
-    live = LiveServer(create_app(tool_engine))
-    yield live
-    live.stop()
 
 
 @pytest.fixture
