@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from deltaserve.callforms import CallForm
 from deltaserve.server.app import create_app
 
 from .conftest import LiveServer
@@ -88,3 +89,23 @@ def test_langchain_bind_tools_returns_the_call(tool_server):
     for chunk in chunks[1:]:
         streamed = streamed + chunk
     assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [("get_weather", CALL_ARGS)]
+
+
+def test_a_json_call_from_a_qwen3_style_template(tool_engines):
+    """A template that writes JSON calls (the hermes form) has its replies read in that form, the thinking
+    opened by the reply itself; --tool-call-parser qwen3_coder on the same model reads no call."""
+    engine = tool_engines(CallForm.JSON)
+    for parser, calls in (("auto", [("get_weather", CALL_ARGS)]), ("qwen3_coder", [])):
+        live = LiveServer(create_app(engine, tool_call_parser=parser))
+        try:
+            client = openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0)
+            message = ask(client).choices[0].message
+            streamed = [c.choices[0].delta for c in ask(client, stream=True) if c.choices]
+        finally:
+            live.stop()
+        assert message.model_extra["reasoning_content"] == THOUGHT
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []] == calls
+        names = [c.function.name for d in streamed for c in d.tool_calls or [] if c.function.name]
+        assert names == [name for name, _ in calls]
+        if not calls:
+            assert message.content.startswith('<tool_call>\n{"name": "get_weather"')

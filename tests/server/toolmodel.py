@@ -19,6 +19,7 @@ import torch
 from deltaserve.callforms import CallForm, render_call
 from deltaserve.convert import write_gguf
 from deltaserve.convert.presets import preset_config, train_tokenizer
+from deltaserve.convert.templates import QWEN3_JSON, QWEN35
 from deltaserve.train import build_model
 
 WEATHER = {"type": "function", "function": {
@@ -34,14 +35,16 @@ CALL_ID = "call_weather_1"
 MARGIN = 40.0  # logit of the reply's token over every other
 
 
-def conversations(tools: list[dict]) -> list[tuple[list[dict], str]]:
-    """(messages, the reply the model gives): a call, then an answer from the call's result."""
+def conversations(form: CallForm) -> list[tuple[list[dict], str]]:
+    """(messages, the reply the model gives): a call, then an answer from the call's result. In the XML form
+    (Qwen3.5's template) the prompt opens the thinking; in the JSON form (Qwen3's) the reply does."""
     call = {"id": CALL_ID, "type": "function", "function": {"name": "get_weather", "arguments": CALL_ARGS}}
     ask = [{"role": "user", "content": QUESTION}]
     after = ask + [{"role": "assistant", "content": "", "reasoning_content": THOUGHT, "tool_calls": [call]},
                    {"role": "tool", "tool_call_id": CALL_ID, "content": RESULT}]
-    return [(ask, f"{THOUGHT}\n</think>\n\n{render_call(CallForm.XML, 'get_weather', CALL_ARGS)}"),
-            (after, f"The tool answered.\n</think>\n\n{ANSWER}")]
+    opens = "" if form is CallForm.XML else "<think>\n"
+    return [(ask, f"{opens}{THOUGHT}\n</think>\n\n{render_call(form, 'get_weather', CALL_ARGS)}"),
+            (after, f"{opens}The tool answered.\n</think>\n\n{ANSWER}")]
 
 
 def _final_states(model, ids: list[int]) -> torch.Tensor:
@@ -55,14 +58,16 @@ def _final_states(model, ids: list[int]) -> torch.Tensor:
     return seen[0]
 
 
-def fitted_tool_model(out: Path, tools: list[dict], seed: int = 0) -> Path:
-    """Write to `out` a qwen35 GGUF (the QWEN35 preset template) that answers conversations(tools)."""
+def fitted_tool_model(out: Path, tools: list[dict], form: CallForm = CallForm.XML, seed: int = 0) -> Path:
+    """Write to `out` a qwen35 GGUF that answers conversations(form) with `tools`, its template the preset
+    that writes that form (QWEN35 or QWEN3_JSON)."""
     torch.manual_seed(seed)
     tokenizer = train_tokenizer(arch="qwen35")
+    tokenizer.chat_template = QWEN35 if form is CallForm.XML else QWEN3_JSON
     config = dataclasses.replace(preset_config("qwen35", "tiny256", tokenizer.vocab_size), tie_word_embeddings=False)
     model = build_model(config, seed).eval()
     states, targets = [], []
-    for messages, reply in conversations(tools):
+    for messages, reply in conversations(form):
         prompt = tokenizer.encode(tokenizer.chat_prompt(messages, tools=tools))
         answer = tokenizer.encode(reply) + [tokenizer.eos_token_id]  # <|im_end|> ends the turn
         states.append(_final_states(model, prompt + answer[:-1])[len(prompt) - 1:])
