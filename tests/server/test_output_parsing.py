@@ -179,3 +179,28 @@ def test_the_parser_is_chosen_from_the_template_or_the_option():
     assert call_form("auto", QWEN35) is XML and call_form("auto", QWEN3_JSON) is JSON_FORM
     assert call_form("auto", CHATML_TEMPLATE) is None and call_form("auto", None) is None
     assert call_form("hermes", QWEN35) is JSON_FORM and call_form("none", QWEN35) is None
+
+
+PIECES = ["<tool_call>", "</tool_call>", "<function=get_weather>", "<function=", "</function>", "<parameter=days>",
+          "<parameter=", "</parameter>", "<think>", "</think>", "\n", " ", "x", "{", "}", '"name": "search"', ":",
+          '"arguments": {}', "3", "<", ">", "é"]
+
+
+@pytest.mark.parametrize("form", [XML, JSON_FORM])
+def test_any_text_parses_without_error_the_same_whole_or_cut(form):
+    """Random jumbles of the markers: never an exception, every call's arguments a JSON object, and the same
+    message whole, cut anywhere, or a character at a time."""
+    import random
+
+    rng = random.Random(1234)
+    for _ in range(300):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randint(1, 25)))
+        fmt = OutputFormat(form=form, tools=TOOLS, thinking=True, opened=rng.random() < 0.5)
+        whole = fed(fmt, [text])[1]
+        for call in whole.get("tool_calls", []):
+            assert isinstance(json.loads(call["function"]["arguments"]), dict), text
+        expected = without_ids(whole)
+        cut = rng.randint(1, max(1, len(text) - 1))
+        for pieces in ([text[:cut], text[cut:]], list(text)):
+            deltas, message = fed(fmt, pieces)
+            assert without_ids(message) == expected == without_ids(joined(deltas)), (text, pieces)
