@@ -28,6 +28,7 @@ class ChatInputs:
     messages: list[dict]
     tools: list[dict] | None = None  # None when tool_choice is "none": no call is looked for in the reply
     options: dict[str, Any] = field(default_factory=dict)  # Tokenizer.chat_prompt's keyword arguments
+    tool_choice: str = "auto"  # "none", "auto", "required", or the name of the one function to call
 
 
 def chat_inputs(body: ChatBody) -> ChatInputs:
@@ -45,7 +46,7 @@ def chat_inputs(body: ChatBody) -> ChatInputs:
                             "false", "continue_final_message")
     options = {**kwargs, "tools": tools, "add_generation_prompt": body.add_generation_prompt is not False,
                "continue_final": continuing}
-    return ChatInputs(messages, tools if choice != "none" else None, options)
+    return ChatInputs(messages, tools if choice != "none" else None, options, choice)
 
 
 def _tools(tools: list[dict] | None) -> list[dict] | None:
