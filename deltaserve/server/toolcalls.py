@@ -25,6 +25,7 @@ CALL, ARGUMENTS = "call", "arguments"
 MAX_NAME = 256  # characters of a function or parameter name: a header longer than this is not one
 _INTEGER = re.compile(r"[-+]?\d+")
 _XML_TAGS = (PARAMETER_OPEN, FUNCTION_CLOSE, CALL_CLOSE)
+_LONGEST_TAG = max(map(len, (*_XML_TAGS, PARAMETER_CLOSE)))
 
 
 def schemas_of(tools: list[dict] | None) -> dict[str, dict]:
@@ -89,9 +90,16 @@ class ToolCallParser:
         self.name = ""
         self.gap = ""  # the whitespace before the current block: content again if the block is no call
         self.after_call = False
+        # waiting for the tag that ends a parameter's value or a JSON block: until text brings a '<' (every
+        # tag starts with one), it only grows the buffer; a long value is not searched again per token
+        self.in_value = False
 
     def feed(self, text: str) -> list[tuple]:
+        tail = self.buf[-_LONGEST_TAG:]
         self.buf += text
+        if self.in_value and "<" not in text and "<" not in tail:
+            return []
+        self.in_value = False
         out: list[tuple] = []
         while self.buf:
             if not self.in_call:
@@ -186,6 +194,7 @@ class ToolCallParser:
         stop, tag = min(((i, t) for t in (PARAMETER_CLOSE, *_XML_TAGS) if (i := body.find(t)) >= 0),
                         default=(-1, ""))
         if stop < 0:
+            self.in_value = True
             return False
         value = body[:stop].removeprefix("\n").removesuffix("\n")
         schema = self.schemas.get(self.name, {}).get("properties", {})
@@ -200,6 +209,7 @@ class ToolCallParser:
         """A JSON call once its block is complete (or at the end); False: wait for more text."""
         end = self.buf.find(CALL_CLOSE)
         if end < 0 and not final:
+            self.in_value = True
             return False
         block = self.buf if end < 0 else self.buf[:end]
         call = _json_call(block)
