@@ -126,26 +126,9 @@ def cmd_run(args):
 
 
 def cmd_chat(args):
-    llm = _load(args)
-    tok = llm.tokenizer
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("deltaserve chat: empty line or Ctrl-D to quit", file=sys.stderr)
-    while True:
-        try:  # a prompt and line editing on a terminal; plain lines from a pipe
-            line = input("> ") if sys.stdin.isatty() else sys.stdin.readline()
-        except EOFError:
-            break
-        if not line.strip():
-            break
-        line = line.strip()
-        messages.append({"role": "user", "content": line})
-        reply = []
-        for piece in llm.generate(tok.chat_prompt(messages), stream=True, **_sampling(args)):
-            reply.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": "".join(reply)})
+    from deltaserve.chat import chat
+
+    chat(_load(args), args, _sampling(args))
 
 
 def cmd_serve(args):
@@ -167,7 +150,7 @@ def cmd_serve(args):
         print(f"deltaserve: {n} prefix checkpoints loaded from {args.cache_dir}", file=sys.stderr)
     app = create_app(engine, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                      max_queue=args.max_queue, allowed_origins=args.allowed_origins,
-                     slot_save_path=args.slot_save_path)
+                     slot_save_path=args.slot_save_path, tool_call_parser=args.tool_call_parser)
     print(f"deltaserve: serving {name} on http://{args.host}:{args.port} (chat page at /)", file=sys.stderr)
     try:
         serve(app, args.host, args.port)
@@ -221,9 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal",
                           description="Chat with a model in the terminal, using its chat template (a model without "
-                                      "one sees the conversation as a play script).")
+                                      "one sees the conversation as a play script). /exit, an empty line or Ctrl-D "
+                                      "quits; Ctrl-C stops the reply being written; /think on|off switches "
+                                      "thinking. Each reply draws a fresh seed unless --seed fixes them all.")
     _add_model_args(chat)
     chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--no-think", action="store_true",
+                      help="start with thinking off (the template's enable_thinking=false); /think on|off switches it")
     _add_sampling_args(chat)
     chat.set_defaults(fn=cmd_chat)
 
@@ -249,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "{\"filename\": NAME}, and erase (default: off)")
     serve.add_argument("--max-queue", type=_int(0), default=None,
                        help="requests that may wait for a slot; more get 503 with Retry-After (default: twice --slots)")
+    # server.chat_output.PARSERS, written out: importing it would import torch (a test keeps them equal)
+    serve.add_argument("--tool-call-parser", choices=("auto", "qwen3_coder", "hermes", "none"), default="auto",
+                       help="the form tool calls are read in when a request has tools: qwen3_coder (XML, Qwen3.5), "
+                            "hermes (JSON, Qwen3 / Qwen3-Next), none (left in the content); auto: the one the "
+                            "chat template writes (default)")
     serve.set_defaults(fn=cmd_serve)
 
     bench = sub.add_parser("bench", help="prefill / decode tokens/s and peak memory of a model (or 'ops')",

@@ -253,15 +253,25 @@ class Tokenizer:
 
     # -- chat ----------------------------------------------------------------------------------
 
+    @property
+    def template(self) -> str | None:
+        """The chat template prompts are rendered with: the checkpoint's, else ChatML when the vocabulary has
+        its <|im_start|> and <|im_end|> (a Qwen vocabulary without a template), else None."""
+        if self.chat_template is None and all(self._backend.token_to_id(t) is not None
+                                              for t in ("<|im_start|>", "<|im_end|>")):
+            return CHATML_TEMPLATE
+        return self.chat_template
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """Render `messages` with the checkpoint's Jinja chat template, as transformers does
+        """Render `messages` with the chat template (`template`), as transformers does
         (sandboxed; raise_exception, tojson, loop controls, namespace, strftime_now). `kwargs`
         become template variables (tools=..., enable_thinking=...)."""
-        if self.chat_template is None:
+        source = self.template
+        if source is None:
             raise DeltaserveError("this tokenizer has no chat template (no tokenizer.chat_template in the "
                                   "GGUF, no chat_template in tokenizer_config.json); set .chat_template")
-        if self._template is None or self._template[0] != self.chat_template:
-            self._template = (self.chat_template, _compile_template(self.chat_template))
+        if self._template is None or self._template[0] != source:
+            self._template = (source, _compile_template(source))
         context = {name: text for name, text in self.special_token_texts.items() if text is not None}
         try:
             return self._template[1].render({**context, **kwargs, "messages": messages,
@@ -271,23 +281,43 @@ class Tokenizer:
         except _TEMPLATE_FAILURES as error:  # the template is code from the checkpoint: any failure is its own
             raise ChatTemplateError(f"chat template failed: {type(error).__name__}: {error}") from error
 
-    def chat_prompt(self, messages: list[dict]) -> str:
-        """The prompt that asks for the next assistant turn: the chat template's, or for a plain-completion
-        model (no template) the conversation as a play script (`plain_chat`)."""
-        return self.apply_chat_template(messages, add_generation_prompt=True) if self.chat_template \
-            else plain_chat(messages)
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, continue_final: bool = False,
+                    tools: list[dict] | None = None, **kwargs) -> str:
+        """The prompt that asks for the next assistant turn (or, continue_final, for more of the final
+        assistant message): the chat template's, with `tools` and the template variables `kwargs`
+        (enable_thinking=...); for a plain-completion model (no template) the conversation as a play
+        script (`plain_chat`)."""
+        if self.template is None:
+            return plain_chat(messages)
+        if tools:
+            kwargs["tools"] = tools
+        if not continue_final:
+            return self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt=False, **kwargs)
+        final = str(messages[-1].get("content") or "").strip()
+        end = text.rfind(final) if final else -1
+        if end < 0:  # as transformers: the template must write the message's text to continue it
+            raise ChatTemplateError("continue_final_message: the chat template does not write the final "
+                                    "message's content")
+        return text[:end + len(final)]
 
-    def reply_start(self, messages: list[dict], prompt_ids: list[int]) -> int:
-        """How many tokens of `prompt_ids` (the chat prompt of `messages`) a later turn's prompt shares: the
-        template renders an earlier answer without the thinking block the generation prompt opens (Qwen3.5
-        drops it), so the next prompt leaves this one where the assistant's turn starts. Found by rendering
-        the conversation with a reply appended; a checkpoint there makes the next turn cost its new tokens."""
-        if not self.chat_template:
+    def reply_start(self, messages: list[dict], prompt_ids: list[int], **options) -> int:
+        """How many tokens of `prompt_ids` (the chat prompt of `messages`, rendered with chat_prompt's
+        `options`) a later turn's prompt shares: the template renders an earlier answer without the
+        thinking block the generation prompt opens (Qwen3.5 drops it), so the next prompt leaves this one
+        where the assistant's turn starts. Found by rendering the next turn (a reply, then a user message);
+        a checkpoint there makes the next turn cost its new tokens. A template that will not render that
+        gives no such point (len(prompt_ids))."""
+        if self.template is None:
             return len(prompt_ids)
-        with_reply = self.apply_chat_template([*messages, {"role": "assistant", "content": "."}],
-                                              add_generation_prompt=False)
+        options = {**options, "add_generation_prompt": False, "continue_final": False}
+        later = [*messages, {"role": "assistant", "content": "."}, {"role": "user", "content": "."}]
+        try:
+            next_turn = self.encode(self.chat_prompt(later, **options))
+        except DeltaserveError:
+            return len(prompt_ids)
         n = 0
-        for a, b in zip(prompt_ids, self.encode(with_reply)):
+        for a, b in zip(prompt_ids, next_turn):
             if a != b:
                 break
             n += 1

@@ -1,6 +1,7 @@
 """The deltaserve command, run as a user runs it: a subprocess, its stdout and exit code."""
 
 import argparse
+import signal
 import subprocess
 import sys
 import time
@@ -42,13 +43,68 @@ def test_kv_dtype_option(tiny_gguf):
 
 
 def test_chat_answers_each_line_until_an_empty_one(tiny_gguf):
-    done = deltaserve("chat", tiny_gguf, "-n", "6", "--temperature", "0", stdin="Hi!\nAnd again?\n\n")
+    done = deltaserve("chat", tiny_gguf, "-n", "6", "--temperature", "0", "--no-think", stdin="Hi!\nAnd again?\n\n")
     assert done.returncode == 0, done.stderr
     llm = LLM(tiny_gguf)
+    history = [{"role": "user", "content": "Hi!"}]
+    replies = []
+    for line in ("Hi!", "And again?"):
+        if replies:
+            history += [{"role": "assistant", "content": replies[-1]}, {"role": "user", "content": line}]
+        prompt = llm.tokenizer.apply_chat_template(history, enable_thinking=False)
+        replies.append(llm.generate(prompt, max_tokens=6, temperature=0).text)
+    assert done.stdout == replies[0] + "\n" + replies[1] + "\n"
+
+
+def test_chat_thinks_to_stderr_switches_thinking_and_quits_on_exit(tiny_gguf):
+    """Thinking on (the template opens <think>): the reply is thinking, on stderr; /think off: the answer,
+    on stdout; /exit quits before the last line."""
+    done = deltaserve("chat", tiny_gguf, "-n", "6", "--temperature", "0",
+                      stdin="Hi!\n/think off\nHi!\n/exit\nnever read\n")
+    assert done.returncode == 0, done.stderr
+    llm = LLM(tiny_gguf)
+    tok = llm.tokenizer
     first = [{"role": "user", "content": "Hi!"}]
-    reply = llm.generate(llm.tokenizer.apply_chat_template(first), max_tokens=6, temperature=0).text
-    assert done.stdout.startswith(reply + "\n")
-    assert done.stdout.count("\n") == 2
+    thought = llm.generate(tok.chat_prompt(first), max_tokens=6, temperature=0).text
+    assert "</think>" not in thought and thought.strip() in done.stderr and "thinking off" in done.stderr
+    history = [*first, {"role": "assistant", "content": "", "reasoning_content": thought.strip()},
+               {"role": "user", "content": "Hi!"}]
+    answer = llm.generate(tok.chat_prompt(history, enable_thinking=False), max_tokens=6, temperature=0).text
+    assert done.stdout == "\n" + answer + "\n"
+
+
+def test_chat_draws_a_fresh_seed_each_reply_unless_one_is_given(tiny_gguf):
+    lines = "Tell me a story\n" * 2
+    unseeded = deltaserve("chat", tiny_gguf, "-n", "8", "--temperature", "1.5", "--no-think", stdin=lines)
+    seeded = deltaserve("chat", tiny_gguf, "-n", "8", "--temperature", "1.5", "--no-think", "--seed", "7", stdin=lines)
+    assert unseeded.returncode == seeded.returncode == 0, unseeded.stderr + seeded.stderr
+    llm = LLM(tiny_gguf)
+    prompt = llm.tokenizer.chat_prompt([{"role": "user", "content": "Tell me a story"}], enable_thinking=False)
+    expected = llm.generate(prompt, max_tokens=8, temperature=1.5, seed=7, top_k=40, top_p=0.95, min_p=0.05).text
+    assert seeded.stdout.startswith(expected + "\n")
+    again = deltaserve("chat", tiny_gguf, "-n", "8", "--temperature", "1.5", "--no-think", stdin=lines)
+    assert len({unseeded.stdout, again.stdout}) == 2  # (the CLI's sampling defaults: top_k 40, top_p 0.95, min_p 0.05)
+    assert seeded.stdout == deltaserve("chat", tiny_gguf, "-n", "8", "--temperature", "1.5", "--no-think", "--seed",
+                                       "7", stdin=lines).stdout
+
+
+def test_ctrl_c_stops_the_reply_not_the_chat(tiny_gguf):
+    proc = subprocess.Popen([sys.executable, "-m", "deltaserve.cli", "chat", str(tiny_gguf), "-n", "4000", "-c",
+                             "4096", "--no-think", "--temperature", "0"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={"DELTASERVE_NO_PROGRESS": "1", "PATH": ""})
+    try:
+        proc.stdin.write("Tell me a story\n")
+        proc.stdin.flush()
+        proc.stdout.read(20)  # it is writing the reply
+        proc.send_signal(signal.SIGINT)
+        proc.stdin.write("/exit\n")
+        proc.stdin.flush()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "[stopped]" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -79,6 +135,14 @@ def test_make_model_choices_are_the_makers():
     assert choices == {"arch": set(convert.PRESETS), "preset": set(presets.PRESET_NAMES), "dtype": set(convert.DTYPES),
                        "quantize": set(convert.QUANTIZE_TYPES)}
     assert {name for arch in convert.PRESETS.values() for name in arch} == set(presets.PRESET_NAMES)
+
+
+def test_tool_call_parser_choices_are_the_servers():
+    from deltaserve.server.chat_output import PARSERS
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    [parser] = [a for a in commands.choices["serve"]._actions if a.dest == "tool_call_parser"]
+    assert set(parser.choices) == set(PARSERS) and parser.default == "auto"
 
 
 def test_make_model_writes_what_the_maker_writes(tmp_path):

@@ -15,7 +15,7 @@ PACKAGE = Path(deltaserve.__file__).resolve().parent
 # Rank of each top-level module or subpackage of deltaserve; a module may import ranks up to its own.
 # tokenizer, errors and the kernels sit below everything; bench and train are tools over the server.
 RANKS = {
-    "errors": 0, "tokenizer": 0, "chat_template": 0, "ops": 0, "data": 0,
+    "errors": 0, "tokenizer": 0, "chat_template": 0, "callforms": 0, "ops": 0, "data": 0,
     "loader": 1,
     "models": 2,
     "cache": 3, "convert": 3,  # convert writes what models read
@@ -23,7 +23,7 @@ RANKS = {
     "": 4,  # the package itself: `deltaserve.LLM` is the engine's
     "server": 5,
     "bench": 6, "train": 6,
-    "cli": 7, "__main__": 7,
+    "cli": 7, "__main__": 7, "chat": 7,
 }
 
 KNOWN: set[str] = set()  # violations allowed for now: none

@@ -288,15 +288,19 @@ MESSAGES = [{"role": "user", "content": "Q1"}, {"role": "tool", "content": "igno
 TOOLS = [{"name": "search", "description": "find <things> & 'stuff'", "parameters": {"q": "字符串"}}]
 
 
-def test_chat_prompt_uses_the_template_else_a_play_script(tok):
+def test_chat_prompt_uses_the_template_else_chatml_else_a_play_script(tok):
+    """Without a template: ChatML where the vocabulary has its tokens (hand-written), else a play script."""
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert tok.chat_prompt(messages) == tok.apply_chat_template(messages, add_generation_prompt=True)
     tok.chat_template = None
     try:
-        plain = tok.chat_prompt(messages)
+        chatml = tok.chat_prompt(messages)
     finally:
         tok.chat_template = CHATML_TEMPLATE
-    assert plain == "SYSTEM:\nBe brief.\n\nUSER:\nHi\n\nASSISTANT:\n"
+    assert chatml == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    plain = train_bpe(CORPUS, vocab_size=400, special_tokens=("<|endoftext|>",))
+    assert plain.chat_template is None and plain.template is None
+    assert plain.chat_prompt(messages) == "SYSTEM:\nBe brief.\n\nUSER:\nHi\n\nASSISTANT:\n"
 
 
 # Qwen3.5's habit in small: the generation prompt opens a thinking block, earlier answers are rendered
@@ -358,11 +362,10 @@ def test_template_errors_are_clear(tok):
         tok.chat_template = "{% for m in messages %}"
         with pytest.raises(DeltaserveError, match="does not parse"):
             tok.apply_chat_template(bad)
-        tok.chat_template = None
-        with pytest.raises(DeltaserveError, match="no chat template"):
-            tok.apply_chat_template(bad)
     finally:
         tok.chat_template = CHATML_TEMPLATE
+    with pytest.raises(DeltaserveError, match="no chat template"):
+        train_bpe(CORPUS, vocab_size=400, special_tokens=("<|endoftext|>",)).apply_chat_template(bad)
 
 
 # -- Hugging Face directory details -------------------------------------------------------------

@@ -17,10 +17,12 @@ from deltaserve.engine.engine import Engine
 from deltaserve.errors import DeltaserveError
 
 from . import errors, slots
+from .chat_output import OutputFormat, call_form
+from .chat_request import chat_inputs
 from .errors import JSON, APIError, echo
 from .generation import SHUTTING_DOWN, Generation, Inflight, Prompt
 from .middleware import Guard
-from .schemas import ChatBody, CompletionBody
+from .schemas import ChatBody, CompletionBody, valid_unicode
 from .tokenize import install_tokenize
 
 CHAT_PAGE = Path(__file__).with_name("chat.html")
@@ -33,11 +35,13 @@ RETRY_AFTER_SECONDS = 1
 
 def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
                max_queue: int | None = None, allowed_origins: list[str] | None = None,
-               slot_save_path: str | Path | None = None) -> FastAPI:
+               slot_save_path: str | Path | None = None, tool_call_parser: str = "auto") -> FastAPI:
     """The API over `engine`; max_queue None: QUEUE_PER_SLOT per slot. app.state.inflight.shutdown() ends
     every request in flight (on SIGTERM). allowed_origins: web origins that may call the API (CORS); a
     browser's preflight is answered before the API key is checked, since browsers send it without one.
-    slot_save_path: the folder of the slot save / restore files (None: off)."""
+    slot_save_path: the folder of the slot save / restore files (None: off). tool_call_parser: the form
+    tool calls are read in (chat_output.PARSERS; auto: the chat template's)."""
+    form = call_form(tool_call_parser, engine.tokenizer.template)
     if max_queue is None:
         max_queue = QUEUE_PER_SLOT * engine.runner.n_slots
     app = FastAPI(title="deltaserve", docs_url=None, redoc_url=None, default_response_class=JSON)
@@ -69,7 +73,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
         return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"))
 
     async def generate(request: Request, body: CompletionBody | ChatBody, prompts_in: list[Prompt],
-                       max_tokens: int | None, chat: bool):
+                       max_tokens: int | None, chat: bool, output: OutputFormat | None = None):
         param = "messages" if chat else "prompt"
         longest = max(prompts_in, key=lambda p: len(p.ids)).ids
         n = _choices(engine, body, len(prompts_in), max_queue)
@@ -81,7 +85,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
                                 f"retry later", kind="server_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         gen = Generation(engine, inflight, prompts_in, params, chat=chat, token_ids=bool(body.return_token_ids),
-                         stream=bool(body.stream), n=n, cache_prompt=body.cache_prompt is not False)
+                         stream=bool(body.stream), n=n, cache_prompt=body.cache_prompt is not False, output=output)
         if body.stream:
             return gen.stream(bool(body.stream_options and body.stream_options.include_usage))
         return await gen.result(request)
@@ -99,10 +103,13 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
         _check_model(engine, body.model)
-        ids, reply_start = await prompts.chat([{"role": m.role, "content": m.content} for m in body.messages])
+        inputs = chat_inputs(body)
+        ids, reply_start, prompt = await prompts.chat(inputs.messages, inputs.options)
+        output = OutputFormat.of(form, engine.tokenizer.template, prompt, inputs.tools)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         # checkpoints where the next turn's prompt leaves this one, and at its end
-        return await generate(request, body, [Prompt(ids, (reply_start, len(ids)))], max_tokens, chat=True)
+        return await generate(request, body, [Prompt(ids, (reply_start, len(ids)))], max_tokens, chat=True,
+                              output=output)
 
     install_tokenize(app, engine, prompts)
     return app
@@ -124,16 +131,19 @@ class Prompts:
             return self._checked(await asyncio.to_thread(self._encode, prompt, "prompt"), "prompt", tokenized=True)
         return self._checked(prompt, "prompt", tokenized=False)
 
-    async def chat(self, messages: list[dict]) -> tuple[list[int], int]:
-        """The chat prompt's ids, and how many of them a later turn's prompt shares (Tokenizer.reply_start)."""
-        ids, start = await asyncio.to_thread(self._render, messages)
-        return self._checked(ids, "messages", tokenized=True), start
+    async def chat(self, messages: list[dict], options: dict) -> tuple[list[int], int, str]:
+        """The chat prompt's ids, how many of them a later turn's prompt shares (Tokenizer.reply_start), and
+        its text (Tokenizer.chat_prompt's `options`: tools, template variables)."""
+        ids, start, text = await asyncio.to_thread(self._render, messages, options)
+        return self._checked(ids, "messages", tokenized=True), start, text
 
-    def _render(self, messages: list[dict]) -> tuple[list[int], int]:
+    def _render(self, messages: list[dict], options: dict) -> tuple[list[int], int, str]:
         try:
-            ids = self._encode(self.tok.chat_prompt(messages), "messages")
-            return ids, self.tok.reply_start(messages, ids)
-        except DeltaserveError as e:
+            text = self.tok.chat_prompt(messages, **options)
+            valid_unicode(text)  # a tool's schema or a template variable may carry an unpaired surrogate
+            ids = self._encode(text, "messages")
+            return ids, self.tok.reply_start(messages, ids, **options), text
+        except (DeltaserveError, ValueError) as e:
             raise APIError(400, f"messages: {e}", "messages") from None
 
     def _encode(self, text: str, param: str) -> list[int]:

@@ -22,6 +22,7 @@ from deltaserve.engine.request import Delta, Done
 from deltaserve.engine.request import Request as EngineRequest
 from deltaserve.engine.sampling import SamplingParams
 
+from .chat_output import ChatOutput, OutputFormat
 from .errors import APIError, error_body
 from .logprobs import LogprobFormatter, first_token
 
@@ -71,12 +72,15 @@ class Generation:
     stream them. Choice p * n + j is the j-th of prompt p, as OpenAI numbers them."""
 
     def __init__(self, engine: Engine, inflight: Inflight, prompts: list[Prompt], params: SamplingParams, *,
-                 chat: bool, token_ids: bool, stream: bool, n: int = 1, cache_prompt: bool = True):
+                 chat: bool, token_ids: bool, stream: bool, n: int = 1, cache_prompt: bool = True,
+                 output: OutputFormat | None = None):
         """stream: the Deltas are wanted; without it only the Dones cross to the event loop, so that the
-        wait for them times out, and checks the connection, every POLL_SECONDS."""
+        wait for them times out, and checks the connection, every POLL_SECONDS. output: how a chat reply is
+        read (reasoning, tool calls)."""
         self.engine, self.inflight, self.chat, self.token_ids = engine, inflight, chat, token_ids
         self.params, self.prompts, self.n = params, prompts, n
         self.fmt = LogprobFormatter(engine.tokenizer)
+        self.readers = [ChatOutput(output or OutputFormat()) for _ in range(len(prompts) * n)] if chat else []
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
 
@@ -129,13 +133,17 @@ class Generation:
         choices = []
         for index, done in enumerate(dones):
             if self.chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": done.text},
-                          "logprobs": self.fmt.chat(done.logprobs) if self.params.logprobs is not None else None}
+                reader = self.readers[index]
+                reader.feed(done.text)
+                reader.finish()
+                choice = {"index": index, "message": reader.message(),
+                          "logprobs": self.fmt.chat(done.logprobs) if self.params.logprobs is not None else None,
+                          "finish_reason": reader.finish_reason(done.reason)}
             else:
                 prompt = self.prompts[index // self.n]
                 choice = {"index": index, "text": (prompt.echo or "") + done.text,
-                          "logprobs": self._legacy(self._echoed(prompt, done) + done.logprobs)}
-            choice["finish_reason"] = done.reason
+                          "logprobs": self._legacy(self._echoed(prompt, done) + done.logprobs),
+                          "finish_reason": done.reason}
             if self.token_ids:
                 choice["token_ids"] = done.token_ids
             choices.append(choice)
@@ -186,13 +194,21 @@ class Generation:
                         self._echoed(prompt, self.reqs[index]), index, offsets))
                 if isinstance(event, Delta):
                     ids, logprobs, text, finish = event.token_ids, event.logprobs, event.text, None
+                    deltas = (self.readers[index].feed(text) or [{}]) if self.chat else [None]
                 else:
                     dones[index] = event
                     ids, logprobs = event.token_ids[sent_ids[index]:], event.logprobs[sent_ids[index]:]
                     text, finish = None, event.reason
+                    if self.chat:  # what the reader held back, then the final chunk
+                        for delta in self.readers[index].finish():
+                            yield self._chunk(index, None, delta=delta)
+                        finish = self.readers[index].finish_reason(event.reason)
+                    deltas = [None]
                 sent_ids[index] += len(ids)
-                yield self._chunk(index, text, ids=ids, logprobs=self._piece_logprobs(logprobs, index, offsets),
-                                  finish=finish)
+                logprobs = self._piece_logprobs(logprobs, index, offsets)
+                for i, delta in enumerate(deltas):  # the event's token ids and logprobs go with its first chunk
+                    yield self._chunk(index, text, ids=ids if i == 0 else [], logprobs=logprobs if i == 0 else None,
+                                      finish=finish, delta=delta)
             if self.include_usage:
                 yield _sse({"id": self.id, "object": self._chunk_kind, "created": self.created,
                             "model": self.engine.model_name, "choices": [],
@@ -228,9 +244,11 @@ class Generation:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
     def _chunk(self, index: int, text: str | None, finish: str | None = None, role: bool = False,
-               ids: list[int] | None = None, logprobs: dict | None = None) -> str:
+               ids: list[int] | None = None, logprobs: dict | None = None, delta: dict | None = None) -> str:
+        """One event of choice `index`: a chat delta (`delta`, as the reply's reader made it), or a
+        completion's `text`."""
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            delta = {"role": "assistant", "content": ""} if role else delta or {}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}

@@ -19,6 +19,11 @@ Scope, Message = dict, dict
 DRAIN_BYTES = 64 * 2**20
 
 
+# paths served without the API key: the health check, and the chat page (static; it asks for the key and
+# sends it with its requests)
+OPEN_PATHS = ("/health", "/")
+
+
 class Guard:
     def __init__(self, app, *, api_key: str | None, max_body: int, closing: Callable[[], bool]):
         self.app, self.max_body, self.closing = app, max_body, closing
@@ -28,7 +33,7 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"] != "/health" \
+        if self.expected is not None and scope["path"] not in OPEN_PATHS \
                 and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
             return await _refuse(scope, receive, send, error_response(
                 401, "invalid or missing API key (Authorization: Bearer KEY)", "authentication_error",

@@ -186,6 +186,11 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str = ""
+    # checked and handed to the chat template by chat_request
+    tool_calls: list[dict] | None = Field(default=None, max_length=MAX_MESSAGES)
+    reasoning_content: str | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -220,6 +225,14 @@ class ChatBody(_Body, _Refusing):
     verbosity: Any = None
     prompt_cache_retention: Any = None
     prompt_cache_options: Any = None
+
+    # checked by chat_request: the template's inputs, and which tool calls the reply is read for
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # calls are read however many the model writes
+    chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool | None = True  # vLLM's: False with continue_final_message
+    continue_final_message: bool | None = False  # vLLM's: the reply continues the final assistant message
 
     @field_validator("top_logprobs")
     @classmethod

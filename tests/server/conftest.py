@@ -9,6 +9,7 @@ import httpx
 import pytest
 import uvicorn
 
+from deltaserve.callforms import CallForm
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.llm import load
 from deltaserve.server.app import create_app
@@ -51,6 +52,37 @@ def engine(tiny_gguf):
     eng = Engine(model, tokenizer, n_slots=4, max_len=512, prefill_chunk=64, model_name="tiny")
     yield eng
     eng.close()
+
+
+@pytest.fixture(scope="session")
+def tool_engines(tmp_path_factory):
+    """form -> an engine over a model fitted to answer toolmodel.conversations(form) with tool calls."""
+    from .toolmodel import WEATHER, fitted_tool_model
+
+    made = {}
+
+    def get(form):
+        if form not in made:
+            path = fitted_tool_model(tmp_path_factory.mktemp("tool") / f"{form.value}.gguf", [WEATHER], form)
+            model, tokenizer = load(path)
+            made[form] = Engine(model, tokenizer, n_slots=2, max_len=1024, prefill_chunk=64, model_name="tool")
+        return made[form]
+
+    yield get
+    for eng in made.values():
+        eng.close()
+
+
+@pytest.fixture(scope="session")
+def tool_engine(tool_engines):
+    return tool_engines(CallForm.XML)
+
+
+@pytest.fixture(scope="session")
+def tool_server(tool_engine):
+    live = LiveServer(create_app(tool_engine))
+    yield live
+    live.stop()
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,13 @@
-"""The chat page driven in headless Chromium (Debian's package) by Playwright: a message in, a streamed reply out."""
+"""The chat page driven in headless Chromium (Debian's package) by Playwright: a message in, a streamed reply
+out; thinking folded away; a reply stopped; the API key asked for and sent; tool calls shown."""
 
+import json
 import shutil
 
 import pytest
+
+from .conftest import API_KEY, settled
+from .toolmodel import QUESTION, THOUGHT, WEATHER
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 if CHROMIUM is None:
@@ -10,28 +15,97 @@ if CHROMIUM is None:
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 
 
-def test_send_a_message_and_see_the_reply_stream_in(server, tmp_path):
+@pytest.fixture(scope="module")
+def browser():
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(
             executable_path=CHROMIUM,
             args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync"])  # playwright gives it a fresh profile
-        try:
-            page = browser.new_page()
-            requests = []
-            page.on("request", lambda r: requests.append(r.url))
-            page.goto(server.url + "/")
-            assert page.locator("#model").inner_text(timeout=10_000) == "tiny"
-            page.fill("#temperature", "0")
-            page.fill("#input", "Hello, who are you?")
-            page.click("#send")
-            reply = page.locator(".msg.assistant").first
-            page.wait_for_function("document.querySelector('.msg.assistant')?.textContent.length > 0", timeout=30_000)
-            page.wait_for_function("!document.querySelector('#send').disabled", timeout=60_000)
-            assert reply.inner_text().strip()
-            assert page.locator(".msg.user").inner_text() == "Hello, who are you?"
-            assert page.locator(".error").count() == 0
-            page.screenshot(path=str(tmp_path / "chat.png"))
-            assert all(u.startswith(server.url) for u in requests), "the page loads nothing from outside"
-        finally:
-            browser.close()
+        yield browser
+        browser.close()
+
+
+def open_page(browser, url: str, model: str | None):
+    page = browser.new_page()
+    page.goto(url + "/")
+    if model is not None:
+        sync_api.expect(page.locator("#model")).to_have_text(model, timeout=10_000)
+    return page
+
+
+def send(page, text: str, think: bool = True, max_tokens: str = "200"):
+    page.fill("#temperature", "0")
+    page.fill("#max-tokens", max_tokens)
+    page.set_checked("#think", think)
+    page.fill("#input", text)
+    page.click("#send")
+
+
+def wait_done(page, timeout=60_000):
+    page.wait_for_function("!document.querySelector('#send').disabled", timeout=timeout)
+
+
+def test_send_a_message_and_see_the_reply_stream_in(server, browser, tmp_path):
+    page = open_page(browser, server.url, "tiny")
+    requests = []
+    page.on("request", lambda r: requests.append(r.url))
+    send(page, "Hello, who are you?", think=False)
+    page.wait_for_function("document.querySelector('.msg.assistant .content')?.textContent.length > 0", timeout=30_000)
+    wait_done(page)
+    assert page.locator(".msg.user").inner_text() == "Hello, who are you?"
+    assert page.locator(".msg.assistant .content").inner_text().strip()
+    assert page.locator(".error").count() == 0 and not page.locator("details.thinking").is_visible()
+    page.screenshot(path=str(tmp_path / "chat.png"))
+    assert all(u.startswith(server.url) for u in requests), "the page loads nothing from outside"
+    page.close()
+
+
+def test_thinking_is_folded_away(server, browser):
+    """The tiny model thinks for the whole reply (it never closes <think>): all of it lands in the fold."""
+    page = open_page(browser, server.url, "tiny")
+    send(page, "Hello?")
+    wait_done(page)
+    fold = page.locator(".msg.assistant details.thinking")
+    assert fold.is_visible() and fold.get_attribute("open") is None
+    assert page.locator(".msg.assistant .reasoning").text_content().strip()
+    assert not page.locator(".msg.assistant .reasoning").is_visible()  # folded
+    fold.locator("summary").click()
+    assert page.locator(".msg.assistant .reasoning").is_visible()
+    page.close()
+
+
+def test_stop_ends_the_reply_and_frees_the_slot(server, engine, browser):
+    page = open_page(browser, server.url, "tiny")
+    before = engine.metrics.generated_tokens_total
+    send(page, "Hello?", think=False, max_tokens="")  # greedy, it would write 489 tokens, to the context's end
+    page.click("#stop")  # shown while the reply runs (clicked at once: a fast machine writes 489 tokens in a second)
+    wait_done(page, timeout=10_000)
+    assert not page.locator("#stop").is_visible() and page.locator(".error").count() == 0
+    assert settled(engine, 20)  # the server saw the client leave and cancelled the request
+    assert engine.metrics.generated_tokens_total - before < 489
+    page.close()
+
+
+def test_the_page_asks_for_the_api_key_and_sends_it(secured_server, browser):
+    page = open_page(browser, secured_server.url, None)
+    page.wait_for_selector("#keyform.shown", timeout=10_000)
+    page.fill("#key", API_KEY)
+    page.click("#keysave")
+    sync_api.expect(page.locator("#model")).to_have_text("tiny", timeout=10_000)
+    send(page, "Hi", think=False)
+    wait_done(page)
+    assert page.locator(".error").count() == 0 and not page.locator("#keyform").is_visible()
+    page.close()
+
+
+def test_tool_calls_are_shown(tool_server, browser):
+    page = open_page(browser, tool_server.url, "tool")
+    page.click("#settings summary")
+    page.fill("#tools", json.dumps([WEATHER]))
+    send(page, QUESTION)
+    wait_done(page)
+    assert page.locator(".tool-call").inner_text() == 'tool call: get_weather({"city": "Paris", "days": 3})'
+    assert page.locator(".msg.assistant .reasoning").text_content() == THOUGHT
+    assert page.locator(".error").count() == 0
+    page.close()

@@ -57,10 +57,15 @@ def test_streaming_completion_with_usage(client, reference):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
 def test_chat_uses_the_chat_template(client, reference):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
-    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
-    prompt = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                         extra_body=NO_THINKING)
+    prompt = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     expected = reference.generate(prompt, max_tokens=10, temperature=0)
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == expected.text
@@ -70,11 +75,11 @@ def test_chat_uses_the_chat_template(client, reference):
 def test_chat_streaming_and_max_completion_tokens(client, reference):
     messages = [{"role": "user", "content": "Tell me a story"}]
     stream = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=8, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+                                            stream=True, stream_options={"include_usage": True}, extra_body=NO_THINKING)
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    prompt = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    prompt = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False)
     assert text == reference.generate(prompt, max_tokens=8, temperature=0).text
     assert chunks[-1].usage.completion_tokens == 8
 
@@ -153,10 +158,12 @@ def test_metrics_are_prometheus_text(server, client):
     assert values["deltaserve_generated_tokens_total"] >= 3 and values["deltaserve_cache_bytes"] > 0
 
 
-def test_api_key_guards_every_route_but_health(secured_server):
+def test_api_key_guards_every_route_but_health_and_the_chat_page(secured_server):
     url = secured_server.url
     assert httpx.get(url + "/health").status_code == 200
-    for method, path in [("get", "/v1/models"), ("post", "/v1/completions"), ("get", "/metrics"), ("get", "/")]:
+    assert httpx.get(url + "/").status_code == 200  # the page holds no data: it asks for the key itself
+    for method, path in [("get", "/v1/models"), ("post", "/v1/completions"), ("get", "/metrics"),
+                         ("post", "/v1/chat/completions"), ("get", "/index.html")]:
         r = getattr(httpx, method)(url + path, timeout=30)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     ok = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
