@@ -32,6 +32,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    grammar: str | None = None  # an llguidance grammar the output must follow (engine.grammar builds them)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -46,6 +47,7 @@ class SamplingParams:
             (self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
              f"seed must be an int in [{SEED_MIN}, {SEED_MAX}]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+            (self.grammar is None or isinstance(self.grammar, str), "grammar must be a string"),
         ]
         for ok, message in checks:
             if not ok:

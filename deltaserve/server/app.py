@@ -20,6 +20,7 @@ from .errors import JSON, APIError, echo
 from .generation import SHUTTING_DOWN, Generation, Inflight
 from .middleware import Guard
 from .schemas import ChatBody, CompletionBody
+from .structured import chat_grammar
 
 CHAT_PAGE = Path(__file__).with_name("chat.html")
 MAX_REQUEST_BYTES = 4 * 2**20  # a prompt filling a 256k-token context is about 1 MB of text
@@ -60,8 +61,9 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
         return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"))
 
     async def generate(request: Request, body: CompletionBody | ChatBody, ids: list[int], max_tokens: int | None,
-                       chat: bool, marks: tuple[int, ...]):
+                       chat: bool, marks: tuple[int, ...], grammar: str | None = None):
         params = body.sampling(_max_tokens(engine, ids, max_tokens, "messages" if chat else "prompt"))
+        params.grammar = grammar
         if inflight.closing:  # it began while this prompt was being tokenised
             raise APIError(503, SHUTTING_DOWN, kind="server_error", code="server_shutting_down")
         if engine.waiting_for_slot() >= max_queue:
@@ -86,8 +88,10 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
         _check_model(engine, body.model)
         ids, reply_start = await prompts.chat([{"role": m.role, "content": m.content} for m in body.messages])
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        grammar = await asyncio.to_thread(chat_grammar, body, engine.tokenizer, ids, engine.vocab_size)
         # checkpoints where the next turn's prompt leaves this one, and at its end
-        return await generate(request, body, ids, max_tokens, chat=True, marks=(reply_start, len(ids)))
+        return await generate(request, body, ids, max_tokens, chat=True, marks=(reply_start, len(ids)),
+                              grammar=grammar)
 
     return app
 
