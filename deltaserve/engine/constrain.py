@@ -20,7 +20,9 @@ that the grammar's "<tool_call>" takes the one token the model was trained to wr
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections import OrderedDict
 
 import llguidance
 import numpy as np
@@ -37,6 +39,9 @@ _MARKERS = {m.encode() for m in (CALL_OPEN, CALL_CLOSE, THINK_OPEN, THINK_CLOSE)
 _BITS = ((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1).bool()  # byte -> its 8 bits, low first
 _tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Tokenizer -> {n_vocab: LLTokenizer}
 _executor: llguidance.LLExecutor | None = None
+COMPILED_KEPT = 64  # grammars whose compiled matcher is kept, to copy for the next request with the same one
+_compiled: OrderedDict = OrderedDict()  # (LLTokenizer, grammar) -> LLMatcher, least recently used first
+_lock = threading.Lock()
 
 
 class _Vocabulary:
@@ -58,8 +63,8 @@ class _Vocabulary:
 
 
 def grammar_tokenizer(tokenizer: Tokenizer, n_vocab: int) -> llguidance.LLTokenizer:
-    """llguidance's view of `tokenizer` over a model with `n_vocab` logits (made once per tokenizer: 0.3 s for
-    a 248k vocabulary)."""
+    """llguidance's view of `tokenizer` over a model with `n_vocab` logits, made once per tokenizer (4 s for
+    Qwen3.5's 248k vocabulary on a busy 2-core machine; the server's first constrained request waits for it)."""
     made = _tokenizers.setdefault(tokenizer, {})
     if n_vocab not in made:
         if n_vocab < tokenizer.vocab_size:
@@ -72,13 +77,33 @@ def grammar_tokenizer(tokenizer: Tokenizer, n_vocab: int) -> llguidance.LLTokeni
     return made[n_vocab]
 
 
+def compiled(grammar: str, tokenizer: Tokenizer, n_vocab: int) -> llguidance.LLMatcher:
+    """A fresh matcher of `grammar`, copied from one compiled before when there is one: compiling a JSON
+    schema for a 248k vocabulary takes tens of ms, which the engine thread would spend on every request
+    (the server compiles each request's grammar in a worker thread first, to check it)."""
+    key = (grammar_tokenizer(tokenizer, n_vocab), grammar)
+    with _lock:
+        prototype = _compiled.get(key)
+        if prototype is not None:
+            _compiled.move_to_end(key)
+    if prototype is None:
+        prototype = llguidance.LLMatcher(key[0], grammar, log_level=0)
+        if prototype.is_error():
+            raise DeltaserveError(f"the grammar does not compile: {prototype.get_error()}")
+        with _lock:
+            _compiled[key] = prototype
+            while len(_compiled) > COMPILED_KEPT:
+                _compiled.popitem(last=False)
+    return prototype.deep_copy()
+
+
 def grammar_error(grammar: str, tokenizer: Tokenizer, n_vocab: int) -> str | None:
     """Why `grammar` cannot constrain this model's output (None: it can)."""
     try:
-        error = llguidance.LLMatcher.validate_grammar(grammar, grammar_tokenizer(tokenizer, n_vocab))
-    except ValueError as e:  # not a grammar llguidance can read at all
+        compiled(grammar, tokenizer, n_vocab)
+    except (DeltaserveError, ValueError) as e:  # ValueError: not a grammar llguidance can read at all
         return str(e)
-    return error or None
+    return None
 
 
 class Constraint:
@@ -86,9 +111,7 @@ class Constraint:
 
     def __init__(self, grammar: str, tokenizer: Tokenizer, n_vocab: int):
         self.n_vocab = n_vocab
-        self.matcher = llguidance.LLMatcher(grammar_tokenizer(tokenizer, n_vocab), grammar, log_level=0)
-        if self.matcher.is_error():
-            raise DeltaserveError(f"the grammar does not compile: {self.matcher.get_error()}")
+        self.matcher = compiled(grammar, tokenizer, n_vocab)
 
     def take(self, token: int) -> bool:
         """Advance past the sampled `token`; whether the grammar is complete (nothing but the end may follow)."""
