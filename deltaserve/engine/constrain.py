@@ -13,9 +13,9 @@ sampling runs as for any request, and the sampled token advances the matcher.
 
 The vocabulary reaches llguidance as each token's bytes, the way our decoder writes them: control tokens
 (<|im_end|>, ...) are marked special (a 0xff byte first, as llguidance's llama.cpp adapter does) so that no
-text matches them, and they end the output only as end-of-sequence tokens. The markers the grammars write
-(<tool_call>, </think>, ...) are text whatever their type (a converter may make them control tokens), so
-that the grammar's "<tool_call>" takes the one token the model was trained to write.
+text matches them, and they end the output only as end-of-sequence tokens. A grammar's literal that is a
+control token's whole text ("<tool_call>" where a converter typed it so) still takes that one token:
+llguidance matches such literals to the special token.
 """
 
 from __future__ import annotations
@@ -30,12 +30,10 @@ import torch
 from gguf import TokenType
 from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
 
-from deltaserve.callforms import CALL_CLOSE, CALL_OPEN, THINK_CLOSE, THINK_OPEN
 from deltaserve.errors import DeltaserveError
 from deltaserve.tokenizer import Tokenizer
 
 _SPECIAL = (TokenType.CONTROL, TokenType.UNKNOWN)
-_MARKERS = {m.encode() for m in (CALL_OPEN, CALL_CLOSE, THINK_OPEN, THINK_CLOSE)}
 _BITS = ((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1).bool()  # byte -> its 8 bits, low first
 _tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Tokenizer -> {n_vocab: LLTokenizer}
 _executor: llguidance.LLExecutor | None = None
@@ -49,8 +47,7 @@ class _Vocabulary:
 
     def __init__(self, tokenizer: Tokenizer, n_vocab: int):
         self.tokens = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
-        special = [i for i in range(tokenizer.vocab_size)
-                   if tokenizer.token_types[i] in _SPECIAL and self.tokens[i] not in _MARKERS]
+        special = [i for i in range(tokenizer.vocab_size) if tokenizer.token_types[i] in _SPECIAL]
         for i in special:
             self.tokens[i] = b"\xff" + self.tokens[i]
         self.tokens += [b""] * (n_vocab - len(self.tokens))  # embedding rows past the tokenizer: never allowed

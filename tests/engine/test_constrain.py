@@ -12,14 +12,18 @@ import jsonschema
 import pytest
 import torch
 
+from gguf import TokenType
+from llguidance.torch import fill_next_token_bitmask
+
 from deltaserve.callforms import CallForm
-from deltaserve.convert.presets import train_tokenizer
+from deltaserve.convert.presets import TOKENIZER_TEXT, train_tokenizer
 from deltaserve.engine.constrain import Constraint, apply_masks, grammar_error
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.grammar import Tool, closed, json_grammar, tool_call_grammar
 from deltaserve.engine.llm import LLM
 from deltaserve.engine.sampling import SamplingParams
 from deltaserve.errors import DeltaserveError
+from deltaserve.tokenizer import train_bpe
 
 from ..conftest import ARCHES
 
@@ -107,6 +111,22 @@ def test_thinking_comes_before_the_answer():
     assert not unfinished.matcher.is_accepting()
 
 
+def test_call_markers_stay_one_token_where_the_vocabulary_makes_them_control_tokens():
+    """A converter may type <tool_call> as a control token (transformers' tiktoken converter does for
+    Qwen3.5's); the grammar must still let the model write it as the one token it was trained on, while a
+    control token that is no literal of the grammar stays out."""
+    tok = train_bpe(TOKENIZER_TEXT.split("\n\n"), 600, special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>",
+                                                                     "<tool_call>", "</tool_call>"))
+    call = tok.encode("<tool_call>")
+    assert len(call) == 1 and tok.token_types[call[0]] == TokenType.CONTROL
+    c = Constraint(tool_call_grammar([SEARCH], CallForm.JSON, parallel=False), tok, tok.vocab_size)
+    words = torch.zeros(1, (tok.vocab_size + 31) // 32, dtype=torch.int32)
+    fill_next_token_bitmask(c.matcher, words, 0)
+    assert (int(words[0, call[0] // 32]) >> (call[0] % 32)) & 1
+    end = tok.encode("<|im_end|>")[0]  # a control token that is no marker: never text
+    assert not (int(words[0, end // 32]) >> (end % 32)) & 1
+
+
 def test_mask_matches_a_bit_by_bit_reference():
     gen = torch.Generator().manual_seed(3)
     V = 1003  # not a multiple of 32
@@ -187,7 +207,8 @@ def _submit(engine: Engine, ids: list[int], params: SamplingParams):
     return lambda: (finished.wait(300), done[0])[1]
 
 
-def test_batched_constrained_requests_leave_their_neighbours_unchanged(embedded):
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_batched_constrained_requests_leave_their_neighbours_unchanged(embedded, speculative):
     model, tok = embedded
     prompts = [tok.encode(p) for p in ("ROMEO:", "JULIET:\nO Romeo", "First Citizen:\nWe are")]
     greedy = dict(max_tokens=40, temperature=0.0)
@@ -196,7 +217,7 @@ def test_batched_constrained_requests_leave_their_neighbours_unchanged(embedded)
         alone = [_submit(solo_engine, ids, SamplingParams(**greedy))().token_ids for ids in prompts[:2]]
     finally:
         solo_engine.close()
-    engine = Engine(model, tok, n_slots=5, max_len=256)
+    engine = Engine(model, tok, n_slots=5, max_len=256, speculative=speculative)
     try:
         waits = [_submit(engine, ids, SamplingParams(**greedy)) for ids in prompts[:2]]
         constrained = [_submit(engine, prompts[2], SamplingParams(max_tokens=200, temperature=1.0, seed=s,
