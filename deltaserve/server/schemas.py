@@ -115,11 +115,10 @@ class Message(BaseModel):
 class ChatBody(_Body):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=0)
-    # checked, and made into a grammar, by server.structured
-    response_format: dict | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
+    response_format: dict | None = None  # with a forced tool_choice, made into a grammar by server.structured
 
 
 def _default(value, default):
