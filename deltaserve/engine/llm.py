@@ -78,18 +78,19 @@ class LLM:
     def generate(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop: list[str] | str = (),
                  ignore_eos: bool = False, stream: bool = False, speculative: str | Literal[False] | None = None,
-                 **sampling):
+                 grammar: str | None = None, **sampling):
         """Continue `prompt` (text or token ids). Returns a GenerationResult, or with stream=True an iterator
         of text pieces as they are decided (text that may still turn into a stop string is held back).
         speculative: "ngram", a draft model's path, False (off) or None (the LLM's default). Greedy output
-        is the same with or without it. A failure on the way (the model, the sampler, a drafter) raises
+        is the same with or without it. grammar: an llguidance grammar the output follows (engine.grammar:
+        json_grammar, tool_call_grammar). A failure on the way (the model, the sampler, a drafter) raises
         DeltaserveError naming it, from the stream too; the slot starts over, so the next call works.
         **sampling: the other SamplingParams (presence_penalty, frequency_penalty, repetition_penalty,
         logit_bias, min_tokens, stop_token_ids, logprobs, prompt_logprobs), which fill GenerationResult's
         logprobs and prompt_logprobs."""
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 min_p=min_p, seed=seed, stop=[stop] if isinstance(stop, str) else list(stop),
-                                ignore_eos=ignore_eos, **sampling)
+                                ignore_eos=ignore_eos, grammar=grammar, **sampling)
         spec = self.speculative if speculative is None else speculative
         events: list[Event] = []
         req = Request(self._encode(prompt), params, self.tokenizer, on_event=events.append)

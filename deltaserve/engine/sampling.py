@@ -42,6 +42,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None  # report the chosen token's logprob and this many top ones; None: off
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    grammar: str | None = None  # an llguidance grammar the output must follow (engine.grammar builds them)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -72,6 +73,7 @@ class SamplingParams:
             (self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
                                               and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
              f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}]"),
+            (self.grammar is None or isinstance(self.grammar, str), "grammar must be a string"),
         ]
         for ok, message in checks:
             if not ok:

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
+from .constrain import Constraints
 from .logits import process_logits, prompt_logprobs, token_logprob
 from .request import Request
 from .runner import ModelRunner
@@ -41,6 +42,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.speculators: dict[Request, Speculator] = {}
+        self.constraints = Constraints(runner.model.config.vocab_size)
 
     @property
     def has_work(self) -> bool:
@@ -53,6 +55,11 @@ class Scheduler:
         error = (f"the prompt has {len(req.prompt_ids)} tokens; the context holds {self.runner.max_len}"
                  if len(req.prompt_ids) + 1 > self.runner.max_len else
                  f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})" if bad else None)
+        if error is None:
+            try:
+                self.constraints.get(req)  # a grammar that cannot be used fails its request here
+            except Exception as e:
+                error = f"grammar: {e}"
         for member in [req, *req.followers]:
             if error is not None:
                 member.finish("error", error)
@@ -150,14 +157,14 @@ class Scheduler:
 
     def _accept(self, req: Request, draft: list[int], logits: torch.Tensor, T: int) -> None:
         spec = self.speculators[req]
-        tokens = accept(logits, draft, req.params, req.generator)
+        tokens = accept(logits, self.constraints.allowed_draft(req, draft, logits), req.params, req.generator)
         spec.proposed += len(draft)
         spec.accepted += len(tokens) - 1
         spec.steps += 1
         start = len(self.runner.history[req.slot]) - T  # the slot's length before the pass
         self.runner.rollback(req.slot, start + len(tokens))  # keeps [pending, accepted drafts]
         for i, token in enumerate(tokens):  # room as plain decoding would see it after token i
-            req.add_token(token, room=self.runner.max_len - (start + 1 + i))
+            self._take(req, token, room=self.runner.max_len - (start + 1 + i))
             if req.done is not None:
                 break
 
@@ -207,13 +214,22 @@ class Scheduler:
     def _take_samples(self, reqs: list[Request], logits: torch.Tensor) -> None:
         """Sample and take a token for each request on its own: one that fails there fails alone, and the
         others' generators advance exactly as they would have without it."""
+        with self._serving([r for r in reqs if r.params.grammar is not None]):
+            self.constraints.mask(reqs, logits)
         for i, req in enumerate(reqs):
-            with self._serving([req]):
-                p = req.params
-                row = process_logits(logits[i], p, req.prompt_ids, req.output_ids, req.end_ids)
-                token = sample(row[None], [p], [req.generator])[0]
-                logprob = token_logprob(logits[i], token, p.logprobs) if p.logprobs is not None else None
-                req.add_token(token, room=self.runner.room(req.slot), logprob=logprob)
+            if req.done is None:  # (a failed mask ended it)
+                with self._serving([req]):
+                    p = req.params
+                    row = process_logits(logits[i], p, req.prompt_ids, req.output_ids, req.end_ids)
+                    token = sample(row[None], [p], [req.generator])[0]
+                    logprob = token_logprob(logits[i], token, p.logprobs) if p.logprobs is not None else None
+                    self._take(req, token, room=self.runner.room(req.slot), logprob=logprob)
+
+    def _take(self, req: Request, token: int, room: int, logprob=None) -> None:
+        complete = self.constraints.take(req, token)
+        req.add_token(token, room, logprob=logprob)
+        if complete:  # the grammar allows nothing more: no step is spent on the end-of-sequence token
+            req.finish("stop")
 
     # ------------------------------------------------------------------ errors
     def _batched(self, reqs: list[Request], run: Callable[[list[Request]], None],

@@ -23,6 +23,7 @@ from .errors import JSON, APIError, echo
 from .generation import SHUTTING_DOWN, Generation, Inflight, Prompt
 from .middleware import Guard
 from .schemas import ChatBody, CompletionBody, valid_unicode
+from .structured import chat_grammar
 from .tokenize import install_tokenize
 
 CHAT_PAGE = Path(__file__).with_name("chat.html")
@@ -73,11 +74,13 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
         return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"))
 
     async def generate(request: Request, body: CompletionBody | ChatBody, prompts_in: list[Prompt],
-                       max_tokens: int | None, chat: bool, output: OutputFormat | None = None):
+                       max_tokens: int | None, chat: bool, output: OutputFormat | None = None,
+                       grammar: str | None = None):
         param = "messages" if chat else "prompt"
         longest = max(prompts_in, key=lambda p: len(p.ids)).ids
         n = _choices(engine, body, len(prompts_in), max_queue)
         params = body.sampling(_max_tokens(engine, longest, max_tokens, param))
+        params.grammar = grammar
         if inflight.closing:  # it began while this prompt was being tokenised
             raise APIError(503, SHUTTING_DOWN, kind="server_error", code="server_shutting_down")
         if engine.waiting_for_slot() >= max_queue:
@@ -107,9 +110,10 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
         ids, reply_start, prompt = await prompts.chat(inputs.messages, inputs.options)
         output = OutputFormat.of(form, engine.tokenizer.template, prompt, inputs.tools)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        grammar = await asyncio.to_thread(chat_grammar, body, engine.tokenizer, ids, engine.vocab_size)
         # checkpoints where the next turn's prompt leaves this one, and at its end
         return await generate(request, body, [Prompt(ids, (reply_start, len(ids)))], max_tokens, chat=True,
-                              output=output)
+                              output=output, grammar=grammar)
 
     install_tokenize(app, engine, prompts)
     return app

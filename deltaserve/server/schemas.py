@@ -233,6 +233,7 @@ class ChatBody(_Body, _Refusing):
     chat_template_kwargs: dict | None = None
     add_generation_prompt: bool | None = True  # vLLM's: False with continue_final_message
     continue_final_message: bool | None = False  # vLLM's: the reply continues the final assistant message
+    response_format: dict | None = None  # with a forced tool_choice, made into a grammar by server.structured
 
     @field_validator("top_logprobs")
     @classmethod
