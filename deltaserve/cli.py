@@ -63,6 +63,11 @@ def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--spec", default=None, metavar="ngram|MODEL.gguf",
                    help="speculative decoding: 'ngram' (prompt lookup) or a smaller draft model (default off)")
     p.add_argument("--spec-tokens", type=_int(1), default=4, help="tokens drafted per speculative step (default 4)")
+    p.add_argument("--pp", type=_int(1), default=1,
+                   help="pipeline stages: run under torchrun with this many processes, each holding a range of "
+                        "layers (default 1: no torchrun)")
+    p.add_argument("--dist-timeout", type=_float(0, low_open=True), default=120,
+                   help="with --pp: seconds a rank waits for another before failing with an error (default 120)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser):
@@ -100,9 +105,26 @@ def _load(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    loaded = _join(args)
+    if loaded is None and args.pp > 1:
+        return None  # a worker rank: rank 0 has stopped
     return LLM(args.model, dtype=getattr(torch, args.dtype), kv_dtype=_kv_dtype(args), max_len=args.ctx_size,
                prefill_chunk=args.chunk_size, cache_budget_mb=args.cache_mb, speculative=args.spec,
-               spec_tokens=args.spec_tokens)
+               spec_tokens=args.spec_tokens, loaded=loaded)
+
+
+def _join(args):
+    """With --pp N: this process's part of the pipeline ((model, tokenizer) on rank 0, None on the other ranks
+    once rank 0 has stopped); without: None."""
+    if args.pp == 1:
+        return None
+    import torch
+
+    from deltaserve.dist import join_pipeline
+    from deltaserve.engine.llm import DEFAULT_MODEL
+
+    return join_pipeline(args.model or DEFAULT_MODEL, args.pp, dtype=getattr(torch, args.dtype),
+                         kv_dtype=_kv_dtype(args), timeout_s=args.dist_timeout)
 
 
 def _kv_dtype(args):
@@ -118,6 +140,8 @@ def _sampling(args) -> dict:
 
 def cmd_run(args):
     llm = _load(args)
+    if llm is None:
+        return
     sys.stdout.write(args.prompt)
     for piece in llm.generate(args.prompt, stream=True, **_sampling(args)):
         sys.stdout.write(piece)
@@ -127,6 +151,8 @@ def cmd_run(args):
 
 def cmd_chat(args):
     llm = _load(args)
+    if llm is None:
+        return
     tok = llm.tokenizer
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("deltaserve chat: empty line or Ctrl-D to quit", file=sys.stderr)
@@ -158,7 +184,12 @@ def cmd_serve(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load(args.model, dtype=getattr(torch, args.dtype), kv_dtype=_kv_dtype(args))
+    if args.pp > 1 and args.cache_dir:
+        raise DeltaserveError("--cache-dir does not work with --pp yet: the checkpoints are spread over the ranks")
+    loaded = _join(args) if args.pp > 1 else load(args.model, dtype=getattr(torch, args.dtype), kv_dtype=_kv_dtype(args))
+    if loaded is None:
+        return  # a worker rank: rank 0 has stopped
+    model, tokenizer = loaded
     name = args.served_model_name or Path(args.model or DEFAULT_MODEL).stem
     engine = Engine(model, tokenizer, n_slots=args.slots, max_len=args.ctx_size, prefill_chunk=args.chunk_size,
                     model_name=name, cache_budget_mb=args.cache_mb, speculative=args.spec, spec_tokens=args.spec_tokens)
