@@ -66,8 +66,11 @@ def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--pp", type=_int(1), default=1,
                    help="pipeline stages: run under torchrun with this many processes, each holding a range of "
                         "layers (default 1: no torchrun)")
+    p.add_argument("--tp", type=_int(1), default=1,
+                   help="tensor shards: run under torchrun with this many processes, each holding a share of "
+                        "every layer's heads and columns (dense qwen35 float files so far; default 1)")
     p.add_argument("--dist-timeout", type=_float(0, low_open=True), default=120,
-                   help="with --pp: seconds a rank waits for another before failing with an error (default 120)")
+                   help="with --pp / --tp: seconds a rank waits for another before failing with an error (default 120)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser):
@@ -106,7 +109,7 @@ def _load(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = _join(args)
-    if loaded is None and args.pp > 1:
+    if loaded is None and max(args.pp, args.tp) > 1:
         return None  # a worker rank: rank 0 has stopped
     return LLM(args.model, dtype=getattr(torch, args.dtype), kv_dtype=_kv_dtype(args), max_len=args.ctx_size,
                prefill_chunk=args.chunk_size, cache_budget_mb=args.cache_mb, speculative=args.spec,
@@ -114,17 +117,17 @@ def _load(args):
 
 
 def _join(args):
-    """With --pp N: this process's part of the pipeline ((model, tokenizer) on rank 0, None on the other ranks
-    once rank 0 has stopped); without: None."""
-    if args.pp == 1:
+    """With --pp / --tp N: this process's part of the model ((model, tokenizer) on rank 0, None on the other
+    ranks once rank 0 has stopped); without: None."""
+    if max(args.pp, args.tp) == 1:
         return None
     import torch
 
-    from deltaserve.dist import join_pipeline
+    from deltaserve.dist import join
     from deltaserve.engine.llm import DEFAULT_MODEL
 
-    return join_pipeline(args.model or DEFAULT_MODEL, args.pp, dtype=getattr(torch, args.dtype),
-                         kv_dtype=_kv_dtype(args), timeout_s=args.dist_timeout)
+    return join(args.model or DEFAULT_MODEL, pp=args.pp, tp=args.tp, dtype=getattr(torch, args.dtype),
+                kv_dtype=_kv_dtype(args), timeout_s=args.dist_timeout)
 
 
 def _kv_dtype(args):
@@ -184,9 +187,10 @@ def cmd_serve(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.pp > 1 and args.cache_dir:
-        raise DeltaserveError("--cache-dir does not work with --pp yet: the checkpoints are spread over the ranks")
-    loaded = _join(args) if args.pp > 1 else load(args.model, dtype=getattr(torch, args.dtype), kv_dtype=_kv_dtype(args))
+    if max(args.pp, args.tp) > 1 and args.cache_dir:
+        raise DeltaserveError("--cache-dir does not work with --pp / --tp yet: part of each checkpoint lies on "
+                              "the other ranks")
+    loaded = _join(args) if max(args.pp, args.tp) > 1 else load(args.model, dtype=getattr(torch, args.dtype), kv_dtype=_kv_dtype(args))
     if loaded is None:
         return  # a worker rank: rank 0 has stopped
     model, tokenizer = loaded

@@ -44,11 +44,12 @@ def _measure(model, prompt: list[int], decode: int, moved=lambda: 0) -> dict:
 def _rank(rank: int, args, port: int, out) -> None:
     import torch
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.pp), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, args.threads // args.pp))
-    from deltaserve.dist import join_pipeline
+    world = max(args.pp, args.tp)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, args.threads // world))
+    from deltaserve.dist import join
 
-    loaded = join_pipeline(args.model, args.pp, timeout_s=600)
+    loaded = join(args.model, pp=args.pp, tp=args.tp, timeout_s=600)
     if loaded is not None:
         model, _ = loaded
         result = _measure(model, _prompt(args.prompt, model.config.vocab_size), args.decode,
@@ -95,7 +96,8 @@ def _run(target, args, ranks: int, extra=()) -> list[dict]:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m deltaserve.bench.dist", description=__doc__.splitlines()[0])
     p.add_argument("model")
-    p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=2, help="pipeline stages (default 2)")
+    p.add_argument("--tp", type=int, default=1, help="tensor shards instead (then give --pp 1)")
     p.add_argument("--prompt", type=int, default=512, help="prefill tokens (default 512)")
     p.add_argument("--decode", type=int, default=64, help="decode steps (default 64)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads in all (default: every core)")
@@ -105,12 +107,12 @@ def main(argv=None) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     report = dict(model=args.model, threads=args.threads, load_average=os.getloadavg(),
-                  single=_run(_single, args, 1)[0], pipeline=_run(_rank, args, args.pp, (port,)))
+                  single=_run(_single, args, 1)[0], pipeline=_run(_rank, args, max(args.pp, args.tp), (port,)))
     one, many = report["single"], report["pipeline"]
     print(f"{'':14}{'prefill tok/s':>15}{'decode tok/s':>14}{'peak RSS MB (per rank)':>26}")
     print(f"{'1 process':14}{one['prefill_tok_s']:15.1f}{one['decode_tok_s']:14.2f}{one['peak_rss_mb']:26.0f}")
     rss = " / ".join(f"{r['peak_rss_mb']:.0f}" for r in many)
-    print(f"{f'--pp {args.pp}':14}{many[0]['prefill_tok_s']:15.1f}{many[0]['decode_tok_s']:14.2f}{rss:>26}")
+    print(f"{f'--pp {args.pp}' if args.pp > 1 else f'--tp {args.tp}':14}{many[0]['prefill_tok_s']:15.1f}{many[0]['decode_tok_s']:14.2f}{rss:>26}")
     print(f"decode: {many[0]['bytes_per_token']:.0f} bytes of hidden states a token in and out of rank 0 (the "
           f"commands' few hundred bytes not counted); on a 10 Gb/s link {many[0]['link_us_per_token']:.1f} us a token of transfer "
           f"time, before each hop's latency. Load average {report['load_average'][0]:.2f} (a loaded machine "
