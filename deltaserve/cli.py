@@ -187,10 +187,11 @@ def cmd_serve(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if max(args.pp, args.tp) > 1 and args.cache_dir:
+    spread = max(args.pp, args.tp) > 1
+    if spread and args.cache_dir:
         raise DeltaserveError("--cache-dir does not work with --pp / --tp yet: part of each checkpoint lies on "
                               "the other ranks")
-    loaded = _join(args) if max(args.pp, args.tp) > 1 else load(args.model, dtype=getattr(torch, args.dtype), kv_dtype=_kv_dtype(args))
+    loaded = _join(args) if spread else load(args.model, dtype=getattr(torch, args.dtype), kv_dtype=_kv_dtype(args))
     if loaded is None:
         return  # a worker rank: rank 0 has stopped
     model, tokenizer = loaded
