@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -204,6 +206,8 @@ def cmd_serve(args):
     app = create_app(engine, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                      max_queue=args.max_queue)
     print(f"deltaserve: serving {name} on http://{args.host}:{args.port} (chat page at /)", file=sys.stderr)
+    if spread:  # a lost rank ends the server as a signal would, and the exit below says why
+        model.link.on_break = lambda error: os.kill(os.getpid(), signal.SIGTERM)
     try:
         serve(app, args.host, args.port)
     finally:  # every request was cancelled at the signal: the engine ends its step and stops
@@ -211,6 +215,8 @@ def cmd_serve(args):
         if args.cache_dir and stopped:  # (only once the engine thread stopped: the checkpoints stand still)
             engine.runner.cache.save_checkpoints(args.cache_dir, model)
             print(f"deltaserve: prefix checkpoints saved in {args.cache_dir}", file=sys.stderr)
+        if spread and model.link.error is not None:  # instead of the SystemExit of the signal it sent
+            raise model.link.error
 
 
 def cmd_bench(args):
