@@ -6,8 +6,9 @@ peak RSS per rank.
 Every configuration runs in processes of its own (torch.multiprocessing, gloo over loopback), one after the
 other: a single process with T threads, then N ranks with T / N threads each, so both use the same cores.
 On one machine pipeline stages only take turns (no micro-batching): expect no speed-up, only the overhead
-of the hand-offs; tensor shards split the work but wait on two all-reduces a layer. Reported beside it: the bytes rank 0 sent and received per decoded token, what those
-bytes would take on a 10 Gb/s link, and each rank's peak RSS.
+of the hand-offs; tensor shards split the work but wait on two all-reduces a layer. Reported beside it: the
+bytes rank 0 sent and received per decoded token, what those bytes would take on a 10 Gb/s link, and each
+rank's peak RSS.
 """
 
 from __future__ import annotations
@@ -113,11 +114,12 @@ def main(argv=None) -> dict:
     print(f"{'':14}{'prefill tok/s':>15}{'decode tok/s':>14}{'peak RSS MB (per rank)':>26}")
     print(f"{'1 process':14}{one['prefill_tok_s']:15.1f}{one['decode_tok_s']:14.2f}{one['peak_rss_mb']:26.0f}")
     rss = " / ".join(f"{r['peak_rss_mb']:.0f}" for r in many)
-    print(f"{f'--pp {args.pp}' if args.pp > 1 else f'--tp {args.tp}':14}{many[0]['prefill_tok_s']:15.1f}{many[0]['decode_tok_s']:14.2f}{rss:>26}")
+    split = f"--pp {args.pp}" if args.pp > 1 else f"--tp {args.tp}"
+    print(f"{split:14}{many[0]['prefill_tok_s']:15.1f}{many[0]['decode_tok_s']:14.2f}{rss:>26}")
     what = "hidden states" if args.pp > 1 else "logit shards (the all-reduces, README's table, not counted)"
     print(f"decode: {many[0]['bytes_per_token']:.0f} bytes of {what} a token in and out of rank 0 (the "
-          f"commands' few hundred bytes not counted); on a 10 Gb/s link {many[0]['link_us_per_token']:.1f} us a token of transfer "
-          f"time, before each hop's latency. Load average {report['load_average'][0]:.2f} (a loaded machine "
+          f"commands' few hundred bytes not counted); on a 10 Gb/s link {many[0]['link_us_per_token']:.1f} us a "
+          f"token of transfer time, before each hop's latency. Load average {report['load_average'][0]:.2f} (a loaded machine "
           f"slows both alike).")
     if args.json:
         with open(args.json, "w") as f:

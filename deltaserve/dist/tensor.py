@@ -63,7 +63,8 @@ class TensorPart:
         if name in ("embed.weight", "lm_head.weight"):
             per = math.ceil(cfg.vocab_size / N)
             rows = t[n * per:min((n + 1) * per, cfg.vocab_size)]
-            return torch.cat([rows, rows.new_zeros(per - rows.shape[0], rows.shape[1])]) if rows.shape[0] < per else rows
+            pad = rows.new_zeros(per - rows.shape[0], rows.shape[1])  # the last rank's rows past the vocabulary
+            return torch.cat([rows, pad]) if pad.shape[0] else rows
         m = re.fullmatch(r"layers\.\d+\.(.+)", name)
         rest = m.group(1) if m else ""
         qk, v = cfg.linear_k_heads * cfg.linear_k_dim, cfg.linear_v_heads * cfg.linear_v_dim
