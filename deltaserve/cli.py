@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -63,6 +65,14 @@ def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--spec", default=None, metavar="ngram|MODEL.gguf",
                    help="speculative decoding: 'ngram' (prompt lookup) or a smaller draft model (default off)")
     p.add_argument("--spec-tokens", type=_int(1), default=4, help="tokens drafted per speculative step (default 4)")
+    p.add_argument("--pp", type=_int(1), default=1,
+                   help="pipeline stages: run under torchrun with this many processes, each holding a range of "
+                        "layers (default 1: no torchrun)")
+    p.add_argument("--tp", type=_int(1), default=1,
+                   help="tensor shards: run under torchrun with this many processes, each holding a share of "
+                        "every layer's heads and columns (dense qwen35 float files so far; default 1)")
+    p.add_argument("--dist-timeout", type=_float(0, low_open=True), default=120,
+                   help="with --pp / --tp: seconds a rank waits for another before failing with an error (default 120)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser):
@@ -100,9 +110,26 @@ def _load(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    loaded = _join(args)
+    if loaded is None and max(args.pp, args.tp) > 1:
+        return None  # a worker rank: rank 0 has stopped
     return LLM(args.model, dtype=getattr(torch, args.dtype), kv_dtype=_kv_dtype(args), max_len=args.ctx_size,
                prefill_chunk=args.chunk_size, cache_budget_mb=args.cache_mb, speculative=args.spec,
-               spec_tokens=args.spec_tokens)
+               spec_tokens=args.spec_tokens, loaded=loaded)
+
+
+def _join(args):
+    """With --pp / --tp N: this process's part of the model ((model, tokenizer) on rank 0, None on the other
+    ranks once rank 0 has stopped); without: None."""
+    if max(args.pp, args.tp) == 1:
+        return None
+    import torch
+
+    from deltaserve.dist import join
+    from deltaserve.engine.llm import DEFAULT_MODEL
+
+    return join(args.model or DEFAULT_MODEL, pp=args.pp, tp=args.tp, dtype=getattr(torch, args.dtype),
+                kv_dtype=_kv_dtype(args), timeout_s=args.dist_timeout)
 
 
 def _kv_dtype(args):
@@ -118,6 +145,8 @@ def _sampling(args) -> dict:
 
 def cmd_run(args):
     llm = _load(args)
+    if llm is None:
+        return
     sys.stdout.write(args.prompt)
     for piece in llm.generate(args.prompt, stream=True, **_sampling(args)):
         sys.stdout.write(piece)
@@ -128,7 +157,10 @@ def cmd_run(args):
 def cmd_chat(args):
     from deltaserve.chat import chat
 
-    chat(_load(args), args, _sampling(args))
+    llm = _load(args)
+    if llm is None:  # a worker rank of a spread model: it has served rank 0 until the end
+        return
+    chat(llm, args, _sampling(args))
 
 
 def cmd_serve(args):
@@ -141,7 +173,14 @@ def cmd_serve(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load(args.model, dtype=getattr(torch, args.dtype), kv_dtype=_kv_dtype(args))
+    spread = max(args.pp, args.tp) > 1
+    if spread and (args.cache_dir or args.slot_save_path):
+        raise DeltaserveError(f"{'--cache-dir' if args.cache_dir else '--slot-save-path'} does not work with "
+                              "--pp / --tp yet: part of each checkpoint lies on the other ranks")
+    loaded = _join(args) if spread else load(args.model, dtype=getattr(torch, args.dtype), kv_dtype=_kv_dtype(args))
+    if loaded is None:
+        return  # a worker rank: rank 0 has stopped
+    model, tokenizer = loaded
     name = args.served_model_name or Path(args.model or DEFAULT_MODEL).stem
     engine = Engine(model, tokenizer, n_slots=args.slots, max_len=args.ctx_size, prefill_chunk=args.chunk_size,
                     model_name=name, cache_budget_mb=args.cache_mb, speculative=args.spec, spec_tokens=args.spec_tokens)
@@ -152,6 +191,8 @@ def cmd_serve(args):
                      max_queue=args.max_queue, allowed_origins=args.allowed_origins,
                      slot_save_path=args.slot_save_path, tool_call_parser=args.tool_call_parser)
     print(f"deltaserve: serving {name} on http://{args.host}:{args.port} (chat page at /)", file=sys.stderr)
+    if spread:  # a lost rank ends the server as a signal would, and the exit below says why
+        model.link.on_break = lambda error: os.kill(os.getpid(), signal.SIGTERM)
     try:
         serve(app, args.host, args.port)
     finally:  # every request was cancelled at the signal: the engine ends its step and stops
@@ -159,6 +200,8 @@ def cmd_serve(args):
         if args.cache_dir and stopped:  # (only once the engine thread stopped: the checkpoints stand still)
             engine.runner.cache.save_checkpoints(args.cache_dir, model)
             print(f"deltaserve: prefix checkpoints saved in {args.cache_dir}", file=sys.stderr)
+        if spread and model.link.error is not None:  # instead of the SystemExit of the signal it sent
+            raise model.link.error
 
 
 def cmd_bench(args):

@@ -19,6 +19,7 @@ RANKS = {
     "loader": 1,
     "models": 2,
     "cache": 3, "convert": 3,  # convert writes what models read
+    "dist": 3,  # a model spread over processes: built from models, run by the engine as if it were local
     "engine": 4,
     "": 4,  # the package itself: `deltaserve.LLM` is the engine's
     "server": 5,

@@ -57,14 +57,16 @@ class LLM:
     def __init__(self, model: str | Path | None = None, *, dtype: torch.dtype = torch.float32, device="cpu",
                  weight_dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None, max_len: int = 4096,
                  prefill_chunk: int = 512, checkpoint_interval: int = 512, cache_budget_mb: float = 1024.0,
-                 speculative: str | None = None, spec_tokens: int = 4):
+                 speculative: str | None = None, spec_tokens: int = 4, loaded: tuple | None = None):
         """checkpoint_interval / cache_budget_mb: prefix checkpoints every that many tokens, kept within that
         many MB (0 turns them off); the default interval is the prefill chunk, so checkpoints cut no prefill
         pass in two (at 256, a 512-token prefill ran 13% slower). speculative: "ngram" or a draft model's path, for every generate call
-        that does not say otherwise; spec_tokens: the most tokens drafted per step."""
+        that does not say otherwise; spec_tokens: the most tokens drafted per step. loaded: (model, tokenizer)
+        already loaded (a pipeline's, deltaserve.dist) instead of loading `model`."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        self.model, self.tokenizer = load(model, dtype=dtype, device=device, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+        self.model, self.tokenizer = loaded or load(model, dtype=dtype, device=device, weight_dtype=weight_dtype,
+                                                    kv_dtype=kv_dtype)
         self.runner = ModelRunner(self.model, n_slots=1, max_len=max_len, checkpoint_interval=checkpoint_interval,
                                   cache_budget_mb=cache_budget_mb)
         self.scheduler = Scheduler(self.runner, prefill_chunk)

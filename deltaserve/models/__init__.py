@@ -21,7 +21,7 @@ def family_of(ckpt) -> type[HybridModel]:
     return ARCHITECTURES[arch]
 
 
-def load_model(ckpt, dtype=None, device="cpu", weight_dtype=None, kv_dtype=None) -> HybridModel:
+def load_model(ckpt, dtype=None, device="cpu", weight_dtype=None, kv_dtype=None, part=None) -> HybridModel:
     """The model of an opened checkpoint (deltaserve.loader.open_checkpoint), weights on `device`.
 
     dtype: the activations' dtype (default float32). weight_dtype: how matmul weights are stored; by default,
@@ -30,7 +30,7 @@ def load_model(ckpt, dtype=None, device="cpu", weight_dtype=None, kv_dtype=None)
     Q8_0 as int8 + scales (layers.quantize_q8), other quantisations widened to float16 (a rounding far below
     their own); float16 for 16-bit files; else `dtype`. kv_dtype: the KV cache's; by
     default float16 beside weights stored in 16 or 8 bits with float32 activations (llama.cpp's default
-    cache type: half the memory of float32 keys and values), else `dtype`."""
+    cache type: half the memory of float32 keys and values), else `dtype`. part: see common.build."""
     import torch
 
     cls = family_of(ckpt)
@@ -39,7 +39,8 @@ def load_model(ckpt, dtype=None, device="cpu", weight_dtype=None, kv_dtype=None)
         weight_dtype = _stored_dtype(ckpt) if dtype == torch.float32 else dtype
     if kv_dtype is None:
         kv_dtype = torch.float16 if dtype == torch.float32 and weight_dtype != torch.float32 else dtype
-    return cls.from_checkpoint(ckpt, dtype=dtype, device=device, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+    return cls.from_checkpoint(ckpt, dtype=dtype, device=device, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
+                              part=part)
 
 
 def _stored_dtype(ckpt):

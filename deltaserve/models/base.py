@@ -75,10 +75,11 @@ class HybridModel(nn.Module, ABC):
 
     @classmethod
     def from_checkpoint(cls, ckpt, dtype: torch.dtype = torch.float32, device="cpu",
-                        weight_dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None):
+                        weight_dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None, part=None):
         """Build from an opened checkpoint (a GGUF file or a transformers directory). Parameters named in
-        `keep_fp32` stay float32; every other weight is stored in `weight_dtype` (default `dtype`)."""
-        return build(cls, ckpt, dtype=dtype, device=device, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+        `keep_fp32` stay float32; every other weight is stored in `weight_dtype` (default `dtype`).
+        part: cuts the model down to what this process holds before anything loads (see common.build)."""
+        return build(cls, ckpt, dtype=dtype, device=device, weight_dtype=weight_dtype, kv_dtype=kv_dtype, part=part)
 
     def new_state(self, n_slots: int, max_len: int) -> HybridState:
         s = self.state_sizes()
@@ -121,7 +122,15 @@ class HybridModel(nn.Module, ABC):
                snaps: Snapshots | None = None) -> torch.Tensor:
         rope = self.rope(positions)
         h = self.embed(input_ids, self.compute_dtype)
-        for i, layer in enumerate(self.layers):
+        h = self.run_layers(h, rope, state, slots, start, snaps, range(len(self.layers)))
+        h = self.norm(h[:, -1] if logits == "last" else h)
+        return lm_logits(self, h)
+
+    def run_layers(self, h: torch.Tensor, rope, state: HybridState | None, slots, start, snaps: Snapshots | None,
+                   layers: range) -> torch.Tensor:
+        """Hidden states h [N, T, E] through layers `layers` (all of them, or a pipeline stage's own)."""
+        for i in layers:
+            layer = self.layers[i]
             x = layer.input_norm(h)
             if layer.recurrent and snaps is not None:
                 x, snaps.conv[i], snaps.ssm[i] = layer.mixer(x, state.conv[i], state.ssm[i], slots,
@@ -134,8 +143,7 @@ class HybridModel(nn.Module, ABC):
                 x = self.attend(layer, x, rope, k_cache, v_cache, slots, start)
             h = h + x
             h = h + layer.ffn(layer.post_norm(h))
-        h = self.norm(h[:, -1] if logits == "last" else h)
-        return lm_logits(self, h)
+        return h
 
 
 def conv_tape(conv_state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -20,12 +20,15 @@ from deltaserve.models.weights import chosen, load_params, names
 
 
 def build(cls, ckpt, *, dtype: torch.dtype, device, weight_dtype: torch.dtype | None,
-          kv_dtype: torch.dtype | None):
+          kv_dtype: torch.dtype | None, part=None):
     """An instance of HybridModel subclass `cls` from an opened checkpoint: a GGUF file (has `.metadata`) or
     a transformers directory (has `.config`), read by the family's config class and weight table.
     Parameters whose names end with `cls.keep_fp32` stay float32; the others are stored in `weight_dtype`
     (default `dtype`, the dtype the activations are computed in). weight_dtype=torch.int8 keeps the matmul
-    weights in the file's own form (see _file_form): no value of a float or Q8_0 tensor changes."""
+    weights in the file's own form (see _file_form): no value of a float or Q8_0 tensor changes.
+    part: this process's part of a model spread over several (deltaserve.dist): part.cut(model) returns the
+    model it holds (still on the meta device: some layers, or every layer with a share of the heads), and
+    part.shard(name, t) the share of a parameter read whole; only the parameters left are read."""
     layers, root = layers_in_file(ckpt), "model."
     if getattr(ckpt, "metadata", None) is not None:
         vocab = ckpt.shape("token_embd.weight")[0] if ckpt.has("token_embd.weight") else None
@@ -39,6 +42,10 @@ def build(cls, ckpt, *, dtype: torch.dtype, device, weight_dtype: torch.dtype | 
     check_tensors(table, ckpt, fmt, config, hf_root=root)
     with torch.device("meta"):  # before loading: int8 weights cannot require gradients
         model = cls(config, compute_dtype=dtype, cache_dtype=kv_dtype).requires_grad_(False)
+    if part is not None:
+        model = part.cut(model)
+        held = dict(model.named_parameters())
+        table = [p for p in table if p.name in held]
     stored = weight_dtype or dtype
     keep = {name for name, _ in model.named_parameters() if name.endswith(cls.keep_fp32)}
     file_form = stored == torch.int8
@@ -56,6 +63,7 @@ def build(cls, ckpt, *, dtype: torch.dtype, device, weight_dtype: torch.dtype | 
                 params[p.name] = _file_form(p, ckpt, fmt, p.name in matmul, device)
             else:
                 (_, t), = load_params([p], ckpt, fmt)
+                t = t if part is None else part.shard(p.name, t)
                 params[p.name] = _store(t, torch.float32 if p.name in keep else stored, device)
             bar.update(math.prod(model.get_parameter(p.name).shape) * (4 if p.name in keep else stored.itemsize))
     _assign(model, params, ckpt)

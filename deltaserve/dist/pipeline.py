@@ -1,0 +1,59 @@
+"""Pipeline parallel: each rank runs a contiguous range of layers (dist/stage.py); rank 0 also the rest.
+
+A forward pass carries the hidden states rank to rank, 0 -> 1 -> ... -> N-1 -> 0 (point to point, E values
+a token each hop); rank 0 ends it with the final norm and the head. The stages take turns: there is no
+micro-batching, so N ranks on one machine run no faster than one process, and across machines the model
+fits where it did not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.dist import group
+from deltaserve.dist.spread import SpreadModel, SpreadState, work
+from deltaserve.dist.stage import Stage, stage_forward, stage_state
+from deltaserve.models.base import HybridModel
+from deltaserve.models.common import lm_logits
+from deltaserve.models.state import HybridState
+
+
+class PipelineModel(SpreadModel):
+    def __init__(self, inner: HybridModel, stages: list[range], link: group.Link):
+        super().__init__(inner, link, len(stages))
+        self.stages = stages
+        self.stage = Stage(0, len(stages), stages[0])
+
+    def held(self, rank: int) -> range:
+        return self.stages[rank]
+
+    def local_state(self, n_slots: int, max_len: int) -> HybridState:
+        return stage_state(self.inner, self.stage, n_slots, max_len)
+
+    def forward(self, input_ids: torch.Tensor, state: SpreadState, slots=None, logits: str = "last",
+                snapshots: int = 0) -> torch.Tensor:
+        """HybridModel.forward over the pipeline (a state is required: no training across ranks)."""
+        with torch.inference_mode():
+            input_ids, slots = self.checked(input_ids, state, slots, logits)
+            N, T = input_ids.shape
+            shape = (N, self.config.hidden_size) if logits == "last" else (N, T, self.config.hidden_size)
+            with self.link.command("forward", slots.tolist(), T, logits, snapshots):
+                h = stage_forward(self.inner, input_ids, state.local, slots, snapshots, self.stage)
+                self.link.send([h], 1)
+                h, = self.link.recv([(shape, self.compute_dtype)], self.world_size - 1)
+            return lm_logits(self.inner, self.inner.norm(h))
+
+
+def work_stage(model: HybridModel, stage: Stage, timeout_s: float) -> None:
+    """A worker rank of the pipeline: its stage's share of every command until rank 0 stops."""
+
+    def forward(state: HybridState, slots: list[int], T: int, logits: str, snapshots: int) -> None:
+        h, = group.recv([((len(slots), T, model.config.hidden_size), model.compute_dtype)], stage.rank - 1)
+        h = stage_forward(model, h, state, torch.tensor(slots, dtype=torch.long), snapshots, stage)
+        if stage.last:
+            group.send([h[:, -1] if logits == "last" else h], 0)
+        else:
+            group.send([h], stage.rank + 1)
+
+    work(model, lambda n_slots, max_len: stage_state(model, stage, n_slots, max_len), forward, stage.rank,
+         timeout_s)

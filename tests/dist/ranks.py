@@ -1,0 +1,122 @@
+"""What each rank of the pipeline tests runs, in processes of its own (torch.multiprocessing, spawn).
+
+Rank 0 compares the pipeline with the whole model loaded in one process from the same float32 file; the
+other ranks only serve it. A failed check raises on rank 0, and the test sees that exception.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from deltaserve.dist import DistributedError, join
+from deltaserve.engine.llm import LLM, load
+from deltaserve.engine.runner import ModelRunner
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def setup(rank: int, world: int, port: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+
+
+def check_family(rank: int, path: str, port: int, split: str) -> None:
+    """split: "pp" or "tp", over 2 ranks."""
+    setup(rank, 2, port)
+    loaded = join(path, **{split: 2}, timeout_s=60)
+    if rank != 0:
+        assert loaded is None
+        return
+    pipe, tokenizer = loaded
+    ref, _ = load(path)
+    _logits(pipe, ref)
+    _batched_equals_alone(pipe, ref)
+    _generation(pipe, tokenizer, path)
+
+
+def _logits(pipe, ref) -> None:
+    """Prefill (every position's logits) then decode, two sequences of different lengths at once."""
+    gen = torch.Generator().manual_seed(1)
+    V = ref.config.vocab_size
+    a, b = ModelRunner(pipe, n_slots=3, max_len=96, checkpoint_interval=0), \
+        ModelRunner(ref, n_slots=3, max_len=96, checkpoint_interval=0)
+    prompt = torch.randint(0, V, (2, 63), generator=gen).tolist()
+    torch.testing.assert_close(a.forward([2, 0], prompt, "all"), b.forward([2, 0], prompt, "all"), **TOL)
+    for _ in range(3):
+        step = torch.randint(0, V, (2, 1), generator=gen).tolist()
+        torch.testing.assert_close(a.forward([2, 0], step), b.forward([2, 0], step), **TOL)
+    # verify + rollback: keep 2 of 4 drafted tokens, then both continue alike
+    draft = torch.randint(0, V, (1, 4), generator=gen).tolist()
+    torch.testing.assert_close(a.verify([0], draft), b.verify([0], draft), **TOL)
+    n = len(a.history[0]) - 2
+    a.rollback(0, n)
+    b.rollback(0, n)
+    torch.testing.assert_close(a.forward([0], [[7]]), b.forward([0], [[7]]), **TOL)
+
+
+def _batched_equals_alone(pipe, ref) -> None:
+    """Two prompts through the pipeline together give the logits the whole model gives each alone."""
+    V = ref.config.vocab_size
+    gen = torch.Generator().manual_seed(2)
+    rows = torch.randint(0, V, (2, 17), generator=gen).tolist()
+    together = ModelRunner(pipe, n_slots=2, max_len=64, checkpoint_interval=0).forward([1, 0], rows)
+    for i, row in enumerate(rows):
+        alone = ModelRunner(ref, n_slots=1, max_len=64, checkpoint_interval=0).forward([0], [row])
+        torch.testing.assert_close(together[i:i + 1], alone, **TOL)
+
+
+def _generation(pipe, tokenizer, path: str) -> None:
+    """Greedy text, prefix checkpoints restored for a second prompt, and n-gram speculation (verify and
+    rollback every step) give the tokens of the whole model."""
+    opts = dict(max_len=160, prefill_chunk=8, checkpoint_interval=8)
+    ours, theirs = LLM(loaded=(pipe, tokenizer), **opts), LLM(path, **opts)
+    first = list(range(3, 40))
+    second = first[:29] + [5, 6, 7]  # leaves the first prompt past its checkpoint at 24
+    for prompt in (first, second):
+        got = ours.generate(prompt, max_tokens=12, temperature=0).token_ids
+        assert got == theirs.generate(prompt, max_tokens=12, temperature=0).token_ids, prompt
+    assert ours.runner.cache.hits >= 1, "the second prompt restored no checkpoint"
+    ours.runner.release(0)
+    ours.runner.reset(0)  # from an empty slot: the speculation's acceptances come from the prompt alone
+    theirs.runner.reset(0)
+    loop = [11, 12, 13, 14, 15] * 6
+    got = ours.generate(loop, max_tokens=16, temperature=0, speculative="ngram").token_ids
+    assert got == theirs.generate(loop, max_tokens=16, temperature=0).token_ids
+
+
+def check_dead_rank(rank: int, path: str, port: int, how: str, timeout_s: float, out) -> None:
+    """Rank 0 stops or kills rank 1, then runs a pass: a DistributedError must come within the timeout."""
+    setup(rank, 2, port)
+    from deltaserve.dist import group
+
+    group.join(2, timeout_s)
+    pids = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    loaded = join(path, pp=2, timeout_s=timeout_s)
+    if rank != 0:
+        return
+    pipe, _ = loaded
+    runner = ModelRunner(pipe, n_slots=1, max_len=32, checkpoint_interval=0)
+    runner.forward([0], [[1, 2, 3]])
+    os.kill(pids[1], signal.SIGSTOP if how == "hang" else signal.SIGKILL)
+    began = time.monotonic()
+    try:
+        runner.forward([0], [[4]])
+        out.put(("no error", 0.0))
+    except DistributedError as e:
+        out.put((str(e), time.monotonic() - began))
+    try:
+        runner.forward([0], [[5]])
+        out.put(("no error", 0.0))
+    except DistributedError as e:  # at once: the link is broken for good
+        out.put((str(e), time.monotonic() - began))
+    if how == "hang":
+        os.kill(pids[1], signal.SIGKILL)
+    out.close()
+    out.join_thread()  # what was put reaches the test before the exit below
+    os._exit(0)  # the group cannot be left cleanly with a dead peer
