@@ -58,7 +58,7 @@ def install_tokenize(app: FastAPI, engine, prompts) -> None:
     async def tokenize(body: TokenizeBody):
         add = bool(body.add_special or body.add_special_tokens)
         if body.messages is not None:  # the ids a chat request with these messages is given
-            ids, _ = await prompts.chat([{"role": m.role, "content": m.content} for m in body.messages])
+            ids, _, _ = await prompts.chat([{"role": m.role, "content": m.content} for m in body.messages], {})
         else:
             text = body.content if body.content is not None else body.prompt
             if len(text) > prompts.max_chars:
