@@ -104,6 +104,7 @@ class Speculator:
     proposed: int = 0
     accepted: int = 0
     steps: int = 0
+    first_accepted: int = 0  # steps whose first draft token was kept
     name: str = ""
 
     def __post_init__(self):
@@ -113,6 +114,11 @@ class Speculator:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def first_acceptance_rate(self) -> float:
+        """The share of steps whose first draft token was kept (the drafter's one-token accuracy)."""
+        return self.first_accepted / self.steps if self.steps else 0.0
 
 
 def make_speculator(spec: str, runner, k: int = 4, dtype: torch.dtype | None = None) -> Speculator:
