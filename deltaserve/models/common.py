@@ -42,8 +42,7 @@ def build(cls, ckpt, *, dtype: torch.dtype, device, weight_dtype: torch.dtype | 
     table = table if with_mtp else [p for p in table if not p.name.startswith("mtp.")]
     check_tensors(table, ckpt, fmt, config, hf_root=root)
     with torch.device("meta"):  # before loading: int8 weights cannot require gradients
-        model = cls(config, compute_dtype=dtype, cache_dtype=kv_dtype, **({} if with_mtp else {"mtp": False}))
-        model.requires_grad_(False)
+        model = cls(config, compute_dtype=dtype, cache_dtype=kv_dtype, mtp=with_mtp).requires_grad_(False)
     stored = weight_dtype or dtype
     keep = {name for name, _ in model.named_parameters() if name.endswith(cls.keep_fp32)}
     file_form = stored == torch.int8
