@@ -62,8 +62,9 @@ def _add_model_args(p: argparse.ArgumentParser):
                    help="KV cache dtype (default auto: float16 beside 16- or 8-bit weights, as llama.cpp; else --dtype)")
     p.add_argument("--cache-mb", type=_float(0), default=1024,
                    help="memory for prefix checkpoints of the recurrent state, in MB; 0 = off (default 1024)")
-    p.add_argument("--spec", default=None, metavar="ngram|MODEL.gguf",
-                   help="speculative decoding: 'ngram' (prompt lookup) or a smaller draft model (default off)")
+    p.add_argument("--spec", default=None, metavar="ngram|mtp|MODEL.gguf",
+                   help="speculative decoding: 'ngram' (prompt lookup), 'mtp' (the model's own multi-token-prediction "
+                        "layer) or a smaller draft model (default off)")
     p.add_argument("--spec-tokens", type=_int(1), default=4, help="tokens drafted per speculative step (default 4)")
     p.add_argument("--pp", type=_int(1), default=1,
                    help="pipeline stages: run under torchrun with this many processes, each holding a range of "
@@ -101,6 +102,7 @@ def _add_make_model_args(p: argparse.ArgumentParser):
     p.add_argument("--seed", type=_int(0, 2**32 - 1), default=0, help="random seed (default: 0)")
     p.add_argument("--hf-dir", type=Path, default=None,
                    help="also write the same weights as a Hugging Face directory here")
+    p.add_argument("--mtp", action="store_true", help="with a random multi-token-prediction layer (Qwen; for --spec mtp)")
 
 
 def _load(args):
@@ -223,7 +225,7 @@ def cmd_make_model(args):
         print(f"\r{line}", end="", file=sys.stderr, flush=True)
 
     made = make_model(args.arch, args.preset, args.dtype, args.out, seed=args.seed, hf_dir=args.hf_dir,
-                      progress=progress, quantize=args.quantize)
+                      progress=progress, quantize=args.quantize, mtp=args.mtp)
     size = made.gguf_path.stat().st_size
     print(f"\nwrote {made.gguf_path} ({size / 2**20:.1f} MiB, vocab {made.config.vocab_size})"
           + (f" and {made.hf_dir}" if made.hf_dir else ""), file=sys.stderr)

@@ -31,14 +31,15 @@ TAIL_MARKS = (8, 32, 128)
 
 class CacheManager:
     def __init__(self, model, n_slots: int = 1, max_len: int = 4096, checkpoint_interval: int = 512,
-                 budget_mb: float = 1024.0, tail_marks: Sequence[int] = TAIL_MARKS):
+                 budget_mb: float = 1024.0, tail_marks: Sequence[int] = TAIL_MARKS, mtp: bool = False):
         """model: anything with new_state(n_slots, max_len) -> HybridState. checkpoint_interval 0 or
         budget_mb 0 turn checkpoints off (live reuse still works). tail_marks: distances from the end of
-        each prompt to checkpoint at, besides the positions each request marks."""
+        each prompt to checkpoint at, besides the positions each request marks. mtp: the state carries the
+        model's MTP layer too (new_state(..., mtp=True)), which the checkpoints then keep like any layer."""
         if checkpoint_interval < 0 or budget_mb < 0:
             raise DeltaserveError(f"checkpoint_interval and cache budget must be >= 0, got {checkpoint_interval} "
                                   f"and {budget_mb} MB")
-        self.state = model.new_state(n_slots, max_len)
+        self.state = model.new_state(n_slots, max_len, mtp=True) if mtp else model.new_state(n_slots, max_len)
         self.max_len = self.state.max_len or max_len
         self.history: list[list[int]] = [[] for _ in range(n_slots)]  # tokens whose effect each slot holds
         self.busy = [False] * n_slots

@@ -83,6 +83,7 @@ def write_gguf(out_path: str | Path, config, params: Mapping[str, torch.Tensor],
     table's order, so a mapping that makes tensors on demand keeps memory to one at a time). The tokenizer
     (None: none) is padded to the config's vocabulary. option=-1 writes the alternative layouts a reader also
     accepts (models/weights.py); extra: tensors the table does not hold, written as they are (an MTP block).
+    Parameters without the MTP layer write the trunk alone, whatever the config says of it.
     The file appears complete or not at all."""
     if dtype not in DTYPES:
         raise DeltaserveError(f"unknown dtype '{dtype}' (known: {', '.join(DTYPES)})")
@@ -103,7 +104,7 @@ def write_gguf(out_path: str | Path, config, params: Mapping[str, torch.Tensor],
     out_path.parent.mkdir(parents=True, exist_ok=True)
     part = out_path.with_name(out_path.name + ".part")
     try:
-        tensors = file_tensors(cls.weight_table(config), params, "gguf", option)
+        tensors = file_tensors(_table(cls, config, params), params, "gguf", option)
         for tensor_name, t in itertools.chain(tensors, (extra or {}).items()):
             data, qtype = gguf_storage(tensor_name, t.float(), want)
             writer.add_tensor(tensor_name, data, raw_dtype=qtype)
@@ -118,6 +119,12 @@ def write_gguf(out_path: str | Path, config, params: Mapping[str, torch.Tensor],
     return out_path
 
 
+def _table(cls: type[HybridModel], config, params: Mapping[str, torch.Tensor]):
+    """The weight table of what params hold: the MTP layer's parameters only where params has them."""
+    table = cls.weight_table(config)
+    return table if "mtp.fc.weight" in params else [p for p in table if not p.name.startswith("mtp.")]
+
+
 def _arch_index(cls: type[HybridModel], config) -> int:
     arch = getattr(config, "arch", cls.gguf_archs[0])
     return cls.gguf_archs.index(arch)
@@ -126,12 +133,13 @@ def _arch_index(cls: type[HybridModel], config) -> int:
 def write_hf_dir(out_dir: str | Path, config, params: Mapping[str, torch.Tensor], tokenizer: Tokenizer,
                  dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write a model as a transformers checkpoint directory: config.json, model.safetensors (tensors in
-    `dtype`, bfloat16 as models are released) and the tokenizer files."""
+    `dtype`, bfloat16 as models are released; the MTP layer's as `mtp.*`, where params have it) and the
+    tokenizer files."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stream = SafetensorsStream(out_dir / "model.safetensors")
     try:
-        for tensor_name, t in file_tensors(family(config).weight_table(config), params, "hf"):
+        for tensor_name, t in file_tensors(_table(family(config), config, params), params, "hf"):
             stream.add(tensor_name, t.to(dtype))
         stream.close()
     except BaseException:

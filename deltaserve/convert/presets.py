@@ -8,6 +8,7 @@ those values, written through the family's weight table like llama.cpp's convert
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -156,6 +157,9 @@ class RandomWeights(Mapping):
     def __iter__(self):
         return iter(self.table)
 
+    def __contains__(self, name) -> bool:  # without drawing the parameter
+        return name in self.table
+
     def __len__(self) -> int:
         return len(self.table)
 
@@ -209,12 +213,13 @@ class MadeModel:
 
 def make_model(arch: str, preset: str, dtype: str, out_path: str | Path, seed: int = 0,
                hf_dir: str | Path | None = None, progress: Callable[[str], None] | None = None,
-               quantize: str | None = None) -> MadeModel:
+               quantize: str | None = None, mtp: bool = False) -> MadeModel:
     """Write a random-weight GGUF of `arch` ("qwen35", "qwen35moe", "qwen3next", "kimi-linear") at `preset`
     (see PRESETS) and `dtype` ("f32", "f16", "q8_0") to `out_path`, and with `hf_dir` the same weights as a
     Hugging Face directory (config.json, model.safetensors, tokenizer files). The same arguments and seed
     give the same weights whatever the dtype. With `quantize` (a QUANTIZE_TYPES name: "Q4_K_M", "IQ4_XS",
-    ...) the f32 / f16 file is then quantised by llama.cpp's quantiser (llama-cpp-python must be installed)."""
+    ...) the f32 / f16 file is then quantised by llama.cpp's quantiser (llama-cpp-python must be installed).
+    mtp: with a random multi-token-prediction layer (Qwen families), written as llama.cpp's converter writes it."""
     if dtype not in DTYPES:
         raise DeltaserveError(f"unknown dtype '{dtype}' (known: {', '.join(DTYPES)})")
     if quantize is not None and (quantize not in QUANTIZE_TYPES or dtype == "q8_0"):
@@ -222,6 +227,10 @@ def make_model(arch: str, preset: str, dtype: str, out_path: str | Path, seed: i
                               f"got {quantize!r} from {dtype}")
     tokenizer = train_tokenizer(arch=arch)
     config = preset_config(arch, preset, tokenizer.vocab_size)
+    if mtp:
+        if not hasattr(config, "mtp_layers"):
+            raise DeltaserveError(f"{arch} has no multi-token-prediction layer")
+        config = dataclasses.replace(config, mtp_layers=1)
     start = time.monotonic()
 
     def report(done: int, total: int) -> None:

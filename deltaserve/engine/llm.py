@@ -4,7 +4,7 @@
     llm.generate("ROMEO:", max_tokens=40, temperature=0.8, seed=1).text
     for piece in llm.generate("ROMEO:", stream=True): print(piece, end="")
     llm.score(token_ids)               # float32 logits [T, vocab]
-    llm.generate(prompt, temperature=0, speculative="ngram")   # or a draft model's path
+    llm.generate(prompt, temperature=0, speculative="ngram")   # "mtp" (the model's MTP layer), or a draft model's path
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from deltaserve.errors import DeltaserveError
 from deltaserve.loader import open_checkpoint
 from deltaserve.loader.gguf_file import progress_bar
 from deltaserve.models import load_model
+from deltaserve.models.mtp import has_mtp
 from deltaserve.tokenizer import Tokenizer
 
 from .logits import TokenLogprob
@@ -60,15 +61,17 @@ class LLM:
                  speculative: str | None = None, spec_tokens: int = 4, loaded: tuple | None = None):
         """checkpoint_interval / cache_budget_mb: prefix checkpoints every that many tokens, kept within that
         many MB (0 turns them off); the default interval is the prefill chunk, so checkpoints cut no prefill
-        pass in two (at 256, a 512-token prefill ran 13% slower). speculative: "ngram" or a draft model's path, for every generate call
-        that does not say otherwise; spec_tokens: the most tokens drafted per step. loaded: (model, tokenizer)
-        already loaded (a pipeline's, deltaserve.dist) instead of loading `model`."""
+        pass in two (at 256, a 512-token prefill ran 13% slower). speculative: "ngram", "mtp" or a draft model's
+        path, for every generate call that does not say otherwise; spec_tokens: the most tokens drafted per
+        step. loaded: (model, tokenizer) already loaded (a pipeline's, deltaserve.dist) instead of loading
+        `model`."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.model, self.tokenizer = loaded or load(model, dtype=dtype, device=device, weight_dtype=weight_dtype,
                                                     kv_dtype=kv_dtype)
-        self.runner = ModelRunner(self.model, n_slots=1, max_len=max_len, checkpoint_interval=checkpoint_interval,
-                                  cache_budget_mb=cache_budget_mb)
+        self._runner_args = dict(n_slots=1, max_len=max_len, checkpoint_interval=checkpoint_interval,
+                                 cache_budget_mb=cache_budget_mb)
+        self.runner = ModelRunner(self.model, **self._runner_args, mtp=speculative == "mtp")
         self.scheduler = Scheduler(self.runner, prefill_chunk)
         self.prefill_chunk = prefill_chunk
         self.spec_tokens, self.dtype = spec_tokens, dtype
@@ -83,13 +86,13 @@ class LLM:
                  grammar: str | None = None, **sampling):
         """Continue `prompt` (text or token ids). Returns a GenerationResult, or with stream=True an iterator
         of text pieces as they are decided (text that may still turn into a stop string is held back).
-        speculative: "ngram", a draft model's path, False (off) or None (the LLM's default). Greedy output
-        is the same with or without it. grammar: an llguidance grammar the output follows (engine.grammar:
-        json_grammar, tool_call_grammar). A failure on the way (the model, the sampler, a drafter) raises
-        DeltaserveError naming it, from the stream too; the slot starts over, so the next call works.
-        **sampling: the other SamplingParams (presence_penalty, frequency_penalty, repetition_penalty,
-        logit_bias, min_tokens, stop_token_ids, logprobs, prompt_logprobs), which fill GenerationResult's
-        logprobs and prompt_logprobs."""
+        speculative: "ngram", "mtp", a draft model's path, False (off) or None (the LLM's default). Greedy
+        output is the same with or without it. grammar: an llguidance grammar the output follows
+        (engine.grammar: json_grammar, tool_call_grammar). A failure on the way (the model, the sampler, a
+        drafter) raises DeltaserveError naming it, from the stream too; the slot starts over, so the next
+        call works. **sampling: the other SamplingParams (presence_penalty, frequency_penalty,
+        repetition_penalty, logit_bias, min_tokens, stop_token_ids, logprobs, prompt_logprobs), which fill
+        GenerationResult's logprobs and prompt_logprobs."""
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 min_p=min_p, seed=seed, stop=[stop] if isinstance(stop, str) else list(stop),
                                 ignore_eos=ignore_eos, grammar=grammar, **sampling)
@@ -117,6 +120,11 @@ class LLM:
             raise
 
     def _speculator(self, spec: str) -> Speculator:
+        if spec == "mtp" and not has_mtp(self.model, self.runner.state):
+            # the slot must carry the MTP layer's cache from its first token: it starts over with one
+            self.runner = ModelRunner(self.model, **self._runner_args, mtp=True)
+            self.scheduler = Scheduler(self.runner, self.prefill_chunk)
+            self.speculators.clear()
         if spec not in self.speculators:
             self.speculators[spec] = make_speculator(spec, self.runner, self.spec_tokens, self.dtype)
         return self.speculators[spec]

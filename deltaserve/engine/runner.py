@@ -15,9 +15,10 @@ from deltaserve.models.state import HybridState
 
 class ModelRunner:
     def __init__(self, model, n_slots: int = 1, max_len: int = 4096, checkpoint_interval: int = 512,
-                 cache_budget_mb: float = 1024.0):
+                 cache_budget_mb: float = 1024.0, mtp: bool = False):
+        """mtp: the slots carry the model's MTP layer's cache too, for speculative 'mtp' (engine/mtp_draft.py)."""
         self.model = model
-        self.cache = CacheManager(model, n_slots, max_len, checkpoint_interval, cache_budget_mb)
+        self.cache = CacheManager(model, n_slots, max_len, checkpoint_interval, cache_budget_mb, mtp=mtp)
 
     @property
     def state(self) -> HybridState:

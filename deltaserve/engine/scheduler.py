@@ -160,6 +160,7 @@ class Scheduler:
         tokens = accept(logits, self.constraints.allowed_draft(req, draft, logits), req.params, req.generator)
         spec.proposed += len(draft)
         spec.accepted += len(tokens) - 1
+        spec.first_accepted += len(tokens) > 1
         spec.steps += 1
         start = len(self.runner.history[req.slot]) - T  # the slot's length before the pass
         self.runner.rollback(req.slot, start + len(tokens))  # keeps [pending, accepted drafts]

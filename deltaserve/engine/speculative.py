@@ -2,7 +2,7 @@
 
 A drafter proposes up to k tokens after a sequence's context: `NgramDrafter` copies what followed the
 latest earlier occurrence of the context's last few tokens (prompt lookup), `ModelDrafter` runs a
-smaller model with the same vocabulary greedily. The target model then reads [last token, drafts] in
+smaller model with the same vocabulary greedily, `MTPDrafter` (mtp_draft.py) the model's own MTP layer. The target model then reads [last token, drafts] in
 one pass that keeps its recurrent state after every token (ModelRunner.verify); `accept` keeps the
 longest prefix of the drafts the target agrees with plus one token of its own, and the slot is rolled
 back to just after the kept tokens, no recompute.
@@ -104,6 +104,7 @@ class Speculator:
     proposed: int = 0
     accepted: int = 0
     steps: int = 0
+    first_accepted: int = 0  # steps whose first draft token was kept
     name: str = ""
 
     def __post_init__(self):
@@ -114,16 +115,25 @@ class Speculator:
     def acceptance_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
 
+    @property
+    def first_acceptance_rate(self) -> float:
+        """The share of steps whose first draft token was kept (the drafter's one-token accuracy)."""
+        return self.first_accepted / self.steps if self.steps else 0.0
+
 
 def make_speculator(spec: str, runner, k: int = 4, dtype: torch.dtype | None = None) -> Speculator:
-    """"ngram" for prompt lookup, or the path of a draft model (a GGUF file or a Hugging Face directory)
-    with the same vocabulary as the runner's model, loaded on that model's device with activations in
-    `dtype` (default float32)."""
+    """"ngram" for prompt lookup, "mtp" for the model's own multi-token-prediction layer (the runner made with
+    mtp=True), or the path of a draft model (a GGUF file or a Hugging Face directory) with the same vocabulary
+    as the runner's model, loaded on that model's device with activations in `dtype` (default float32)."""
     if not runner.can_rollback:
         raise DeltaserveError(f"speculative decoding needs a model that keeps per-token state snapshots "
                               f"(forward(..., snapshots=K)); {type(runner.model).__name__} does not")
     if spec == "ngram":
         return Speculator(NgramDrafter(), k, name="ngram")
+    if spec == "mtp":
+        from .mtp_draft import MTPDrafter
+
+        return Speculator(MTPDrafter(runner), k, name="mtp")
     from deltaserve.loader import open_checkpoint
     from deltaserve.models import load_model
 

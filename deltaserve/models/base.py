@@ -15,6 +15,7 @@ from torch import nn
 
 from deltaserve.models.common import build, check_batch, check_ids, lm_logits
 from deltaserve.models.layers import Embedding, Linear, RMSNorm
+from deltaserve.models.mtp import follow, has_mtp, with_mtp
 from deltaserve.models.state import HybridState, Snapshots
 from deltaserve.models.weights import Param
 
@@ -33,7 +34,10 @@ class HybridModel(nn.Module, ABC):
     supports_snapshots = True  # forward(..., snapshots=K) keeps per-token states: speculative rollback works
     supports_training = False  # forward without a state runs whole sequences differentiably
 
-    def __init__(self, config, compute_dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype | None = None):
+    def __init__(self, config, compute_dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype | None = None,
+                 mtp: bool = True):
+        """mtp=False: without the multi-token-prediction layer even where the config has one (its checkpoint
+        lacks it)."""
         super().__init__()
         self.config = config
         self.compute_dtype = compute_dtype
@@ -43,6 +47,7 @@ class HybridModel(nn.Module, ABC):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size,
                                                                         bias=False)
+        self.mtp = self.make_mtp(config) if mtp else None  # models/mtp.py
 
     # -- what a family provides ---------------------------------------------------------------------
 
@@ -61,6 +66,10 @@ class HybridModel(nn.Module, ABC):
     def state_sizes(self) -> dict[str, tuple[int, ...]]:
         """Per slot: conv (W-1, channels), ssm (heads, K, V), and per token k / v (kv heads, width)."""
         ...
+
+    def make_mtp(self, config) -> nn.Module | None:
+        """The multi-token-prediction layer (models/mtp.MTPHead) the config describes, or None."""
+        return None
 
     def rope(self, positions: torch.Tensor):
         """What the attention layers need of the positions [N, T] (None: no rotary embedding)."""
@@ -81,11 +90,13 @@ class HybridModel(nn.Module, ABC):
         part: cuts the model down to what this process holds before anything loads (see common.build)."""
         return build(cls, ckpt, dtype=dtype, device=device, weight_dtype=weight_dtype, kv_dtype=kv_dtype, part=part)
 
-    def new_state(self, n_slots: int, max_len: int) -> HybridState:
+    def new_state(self, n_slots: int, max_len: int, mtp: bool = False) -> HybridState:
+        """mtp: with the MTP layer's cache, which every cached forward then extends (speculative drafting)."""
         s = self.state_sizes()
-        return HybridState.allocate([layer.recurrent for layer in self.layers], n_slots, max_len,
-                                    conv=s["conv"], ssm=s["ssm"], k=s["k"], v=s["v"], dtype=self.compute_dtype,
-                                    kv_dtype=self.cache_dtype, device=self.embed.weight.device)
+        state = HybridState.allocate([layer.recurrent for layer in self.layers], n_slots, max_len,
+                                     conv=s["conv"], ssm=s["ssm"], k=s["k"], v=s["v"], dtype=self.compute_dtype,
+                                     kv_dtype=self.cache_dtype, device=self.embed.weight.device)
+        return with_mtp(self, state) if mtp else state
 
     def forward(self, input_ids: torch.Tensor, state: HybridState | None = None, slots=None,
                 logits: str = "last", snapshots: int = 0) -> torch.Tensor:
@@ -96,7 +107,9 @@ class HybridModel(nn.Module, ABC):
         snapshots=K > 0 also keeps in state.snapshots the recurrent states after each of the last K
         tokens, so that state.rollback can return any slot to one of those positions.
         Without `state` (training, where the family supports it): each row is a whole sequence from an
-        empty state, nothing is kept, gradients flow, and the logits of every position come back.
+        empty state, nothing is kept, gradients flow, and the logits of every position come back (or with
+        logits="hidden" the final-normed hidden states [N, T, E]).
+        A state made with mtp=True also gets the MTP layer's entries for the tokens (models/mtp.py).
         """
         if state is None:
             if not self.supports_training:
@@ -104,13 +117,13 @@ class HybridModel(nn.Module, ABC):
             input_ids = check_ids(input_ids, self.config.vocab_size).to(self.embed.weight.device)
             N, T = input_ids.shape
             return self._trunk(input_ids, torch.arange(T, device=input_ids.device).expand(N, T),
-                               None, None, None, "all")
+                               None, None, None, "hidden" if logits == "hidden" else "all")
         with torch.inference_mode():
             input_ids, slots = check_batch(self, input_ids, state, slots, logits)
             start = state.lengths[slots]  # [N] tokens already in each slot
             T = input_ids.shape[1]
-            snaps = Snapshots(slots.tolist(), (start + T).tolist(), T, snapshots, [None] * len(self.layers),
-                              [None] * len(self.layers)) if snapshots else None
+            snaps = Snapshots(slots.tolist(), (start + T).tolist(), T, snapshots, [None] * len(state.conv),
+                              [None] * len(state.conv)) if snapshots else None
             out = self._trunk(input_ids, start[:, None] + torch.arange(T, device=start.device),
                               state, slots, start, logits, snaps)
             state.lengths[slots] = start + T
@@ -123,8 +136,12 @@ class HybridModel(nn.Module, ABC):
         rope = self.rope(positions)
         h = self.embed(input_ids, self.compute_dtype)
         h = self.run_layers(h, rope, state, slots, start, snaps, range(len(self.layers)))
-        h = self.norm(h[:, -1] if logits == "last" else h)
-        return lm_logits(self, h)
+        following = has_mtp(self, state)  # the MTP layer reads every position's hidden state
+        h = self.norm(h[:, -1] if logits == "last" and not following else h)
+        if following:
+            follow(self, input_ids, h, rope, state, slots, start, snaps)
+            h = h[:, -1] if logits == "last" else h
+        return h if logits == "hidden" else lm_logits(self, h)
 
     def run_layers(self, h: torch.Tensor, rope, state: HybridState | None, slots, start, snaps: Snapshots | None,
                    layers: range) -> torch.Tensor:

@@ -16,7 +16,7 @@ from deltaserve.loader.gguf_file import progress_bar
 from deltaserve.loader.memory import loading_memory, weight_empty
 from deltaserve.models import packed
 from deltaserve.models.layers import Experts, Linear, linear, quantize_q8
-from deltaserve.models.weights import chosen, load_params, names
+from deltaserve.models.weights import available, chosen, load_params, names
 
 
 def build(cls, ckpt, *, dtype: torch.dtype, device, weight_dtype: torch.dtype | None,
@@ -39,9 +39,13 @@ def build(cls, ckpt, *, dtype: torch.dtype, device, weight_dtype: torch.dtype | 
         config = cls.config_class.from_hf(ckpt.config, str(ckpt.path), max_layers=layers)
         root = "model.language_model." if ckpt.has("model.language_model.embed_tokens.weight") else "model."
         table, fmt = cls.weight_table(config, hf_root=root), "hf"
+    # the MTP layer loads where the file has all of it; a file without it (or with a part) loads as the trunk
+    mtp = [p for p in table if p.name.startswith("mtp.")]
+    with_mtp = bool(mtp) and all(available(getattr(p, fmt), ckpt.has) for p in mtp)
+    table = table if with_mtp else [p for p in table if not p.name.startswith("mtp.")]
     check_tensors(table, ckpt, fmt, config, hf_root=root)
     with torch.device("meta"):  # before loading: int8 weights cannot require gradients
-        model = cls(config, compute_dtype=dtype, cache_dtype=kv_dtype).requires_grad_(False)
+        model = cls(config, compute_dtype=dtype, cache_dtype=kv_dtype, mtp=with_mtp).requires_grad_(False)
     if part is not None:
         model = part.cut(model)
         held = dict(model.named_parameters())

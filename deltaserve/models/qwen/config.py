@@ -56,7 +56,7 @@ class QwenConfig:
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     norm_topk_prob: bool = True
     tie_word_embeddings: bool = False
-    mtp_layers: int = 0  # next-token-prediction blocks in the checkpoint, skipped when loading
+    mtp_layers: int = 0  # multi-token-prediction blocks after the trunk (one is loaded where the file has it)
     max_position_embeddings: int = 0  # 0: not stated
 
     def __post_init__(self):
@@ -82,6 +82,11 @@ class QwenConfig:
     @property
     def num_layers(self) -> int:
         return len(self.layer_types)
+
+    @property
+    def mtp_ffn(self) -> str:
+        """The MTP layer's feed-forward: Qwen3.5's is dense, the MoE models' routed."""
+        return "dense" if self.arch == "qwen35" else "moe"
 
     @property
     def conv_dim(self) -> int:
@@ -290,7 +295,8 @@ class QwenConfig:
         if interval:
             w.add_full_attention_interval(interval)
         else:
-            w.add_array(f"{self.arch}.attention.recurrent_layers", [t == "linear_attention" for t in self.layer_types])
+            w.add_array(f"{self.arch}.attention.recurrent_layers",  # one per block, MTP ones too (as the converter)
+                        [t == "linear_attention" for t in self.layer_types] + [False] * self.mtp_layers)
         w.add_rope_dimension_count(self.rotary_dim)
 
     @property

@@ -15,6 +15,7 @@ from torch import nn
 
 from deltaserve.models.base import HybridModel, conv_tape
 from deltaserve.models.layers import MLP, GatedAttention, Linear, RMSNorm, RotaryEmbedding, SparseMoE
+from deltaserve.models.mtp import MTPHead
 from deltaserve.models.qwen.config import QwenConfig
 from deltaserve.models.weights import (IDENTITY, NEG_EXP, PLUS_ONE, Param, cat, either, leaf, per_head, reshape,
                                        stack, tiled_heads)
@@ -66,9 +67,10 @@ class GatedDeltaNet(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: QwenConfig, index: int):
+    def __init__(self, cfg: QwenConfig, kind: str, ffn: str):
+        """kind: "linear_attention" | "full_attention"; ffn: "dense" | "moe"."""
         super().__init__()
-        self.recurrent = cfg.layer_types[index] == "linear_attention"
+        self.recurrent = kind == "linear_attention"
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.recurrent:
@@ -76,7 +78,7 @@ class DecoderLayer(nn.Module):
         else:
             self.mixer = GatedAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                         cfg.rms_norm_eps)
-        if cfg.ffn_types[index] == "moe":
+        if ffn == "moe":
             self.ffn = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                                  cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.norm_topk_prob)
         else:
@@ -90,12 +92,17 @@ class QwenModel(HybridModel):
     supports_training = True
 
     def __init__(self, config: QwenConfig, compute_dtype: torch.dtype = torch.float32,
-                 cache_dtype: torch.dtype | None = None):
-        super().__init__(config, compute_dtype, cache_dtype)
+                 cache_dtype: torch.dtype | None = None, mtp: bool = True):
+        super().__init__(config, compute_dtype, cache_dtype, mtp)
         self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
 
     def make_layer(self, config: QwenConfig, index: int) -> nn.Module:
-        return DecoderLayer(config, index)
+        return DecoderLayer(config, config.layer_types[index], config.ffn_types[index])
+
+    def make_mtp(self, config: QwenConfig) -> MTPHead | None:
+        if config.mtp_layers != 1:  # as llama.cpp: one MTP block or none
+            return None
+        return MTPHead(config.hidden_size, config.rms_norm_eps, DecoderLayer(config, "full_attention", config.mtp_ffn))
 
     def state_sizes(self) -> dict[str, tuple[int, ...]]:
         cfg = self.config
@@ -121,19 +128,42 @@ class QwenModel(HybridModel):
         E, V = cfg.hidden_size, cfg.vocab_size
         table = [Param("embed.weight", leaf(hf_root + "embed_tokens.weight", V, E), leaf("token_embd.weight", V, E))]
         for i, kind in enumerate(cfg.layer_types):
-            src, b, dst = f"{hf_root}layers.{i}.", f"blk.{i}.", f"layers.{i}."
-            table += [Param(dst + "input_norm.weight", leaf(src + "input_layernorm.weight", E, fn=PLUS_ONE),
-                            leaf(b + "attn_norm.weight", E)),
-                      Param(dst + "post_norm.weight", leaf(src + "post_attention_layernorm.weight", E, fn=PLUS_ONE),
-                            leaf(b + "post_attention_norm.weight", E))]
-            mixer = _delta_net_table if kind == "linear_attention" else _attention_table
-            table += mixer(cfg, src + ("linear_attn." if kind == "linear_attention" else "self_attn."), b,
-                           dst + "mixer.")
-            table += (_mlp_table if cfg.ffn_types[i] == "dense" else _moe_table)(cfg, src + "mlp.", b, dst + "ffn.")
+            table += _layer_table(cfg, kind, cfg.ffn_types[i], f"{hf_root}layers.{i}.", f"blk.{i}.", f"layers.{i}.")
         table.append(Param("norm.weight", leaf(hf_root + "norm.weight", E, fn=PLUS_ONE), leaf("output_norm.weight", E)))
         if not cfg.tie_word_embeddings:
             table.append(Param("lm_head.weight", leaf("lm_head.weight", V, E), leaf("output.weight", V, E)))
-        return table
+        return table + (_mtp_table(cfg) if cfg.mtp_layers == 1 else [])
+
+
+def _layer_table(cfg: QwenConfig, kind: str, ffn: str, src: str, b: str, dst: str) -> list[Param]:
+    """One decoder layer: transformers' names under src, llama.cpp's block b, ours under dst."""
+    E = cfg.hidden_size
+    table = [Param(dst + "input_norm.weight", leaf(src + "input_layernorm.weight", E, fn=PLUS_ONE),
+                   leaf(b + "attn_norm.weight", E)),
+             Param(dst + "post_norm.weight", leaf(src + "post_attention_layernorm.weight", E, fn=PLUS_ONE),
+                   leaf(b + "post_attention_norm.weight", E))]
+    if kind == "linear_attention":
+        table += _delta_net_table(cfg, src + "linear_attn.", b, dst + "mixer.")
+    else:
+        table += _attention_table(cfg, src + "self_attn.", b, dst + "mixer.")
+    return table + (_mlp_table if ffn == "dense" else _moe_table)(cfg, src + "mlp.", b, dst + "ffn.")
+
+
+def _mtp_table(cfg: QwenConfig) -> list[Param]:
+    """The MTP layer: transformers' `mtp.*` (top level, also beside a nested language model); llama.cpp's
+    converter appends it as block n after the trunk's n, renaming fc -> nextn.eh_proj, pre_fc_norm_embedding
+    -> nextn.enorm, pre_fc_norm_hidden -> nextn.hnorm, norm -> nextn.shared_head_norm (norms + 1 like the
+    trunk's), and the decoder layer's tensors as a trunk block's. eh_proj's columns are [embedding | hidden]."""
+    E, b = cfg.hidden_size, f"blk.{cfg.num_layers}."
+    return [
+        Param("mtp.fc.weight", leaf("mtp.fc.weight", E, 2 * E), leaf(b + "nextn.eh_proj.weight", E, 2 * E)),
+        Param("mtp.enorm.weight", leaf("mtp.pre_fc_norm_embedding.weight", E, fn=PLUS_ONE),
+              leaf(b + "nextn.enorm.weight", E)),
+        Param("mtp.hnorm.weight", leaf("mtp.pre_fc_norm_hidden.weight", E, fn=PLUS_ONE),
+              leaf(b + "nextn.hnorm.weight", E)),
+        *_layer_table(cfg, "full_attention", cfg.mtp_ffn, "mtp.layers.0.", b, "mtp.layer."),
+        Param("mtp.norm.weight", leaf("mtp.norm.weight", E, fn=PLUS_ONE), leaf(b + "nextn.shared_head_norm.weight", E)),
+    ]
 
 
 def _delta_net_table(cfg: QwenConfig, a: str, b: str, m: str) -> list[Param]:

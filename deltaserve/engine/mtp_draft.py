@@ -1,0 +1,51 @@
+"""Drafts from the model's own multi-token-prediction layer (`--spec mtp`; models/mtp.py).
+
+The layer's KV cache and the trunk's last hidden state live in the runner's own state, one more entry after
+the trunk's layers, which every forward pass extends and every rollback, reset and prefix checkpoint keeps
+in step with the trunk. Drafting reads that state: the first draft token comes from the trunk's hidden state
+after the slot's last token and the pending token, each further one from the layer's own output and the
+token it just drafted (k = 1..4 chained steps, one batched MTP pass per step over every drafting slot). The
+draft steps write the layer's cache at the drafted positions, which the verifying pass writes again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.errors import DeltaserveError
+from deltaserve.models.mtp import draft_step, has_mtp
+
+
+class MTPDrafter:
+    """Greedy chained drafts of the runner's model's MTP layer (see the module's docstring)."""
+
+    def __init__(self, runner):
+        if getattr(runner.model, "mtp", None) is None:
+            raise DeltaserveError("speculative 'mtp': the model has no multi-token-prediction layer (its checkpoint "
+                                  "carries no mtp.* tensors, or no GGUF blk.N.nextn.* block after the trunk)")
+        if not has_mtp(runner.model, runner.state):
+            raise DeltaserveError("speculative 'mtp' needs a runner made with mtp=True (the MTP layer's cache)")
+        self.runner = runner
+
+    def propose(self, slots: list[int], contexts: list[list[int]], ks: list[int]) -> list[list[int]]:
+        state, model = self.runner.state, self.runner.model
+        for s, ctx in zip(slots, contexts):  # the slot holds every token of the context but its last
+            if int(state.lengths[s]) != len(ctx) - 1:
+                raise DeltaserveError(f"mtp drafter: slot {s} holds {int(state.lengths[s])} tokens, but its "
+                                      f"context has {len(ctx)}")
+        with torch.inference_mode():
+            rows = torch.tensor(slots, dtype=torch.long)
+            hidden = state.conv[len(model.layers)][rows]  # [N, 1, E] the trunk's after each slot's last token
+            tokens = torch.tensor([[ctx[-1]] for ctx in contexts], dtype=torch.long)  # [N, 1]
+            drafts: list[list[int]] = [[] for _ in slots]
+            for step in range(max(ks, default=0)):
+                live = torch.tensor([i for i, k in enumerate(ks) if k > step], dtype=torch.long)
+                logits, g = draft_step(model, state, rows[live], tokens[live], hidden[live], step)
+                best = logits.argmax(-1)
+                tokens[live, 0], hidden[live] = best.to(tokens.device), g.to(hidden.dtype)
+                for i, token in zip(live.tolist(), best.tolist()):
+                    drafts[i].append(token)
+        return drafts
+
+    def reset(self, slots: list[int]) -> None:
+        pass  # it keeps nothing of its own: its cache is the runner's state
