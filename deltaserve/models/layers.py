@@ -14,6 +14,7 @@ from torch import nn
 
 from deltaserve.loader.memory import weight_empty
 from deltaserve.models import packed
+from deltaserve.ops import attention as attention_op
 from deltaserve.ops import fused
 
 # Up to this many rows a float16 or Q8_0 weight goes through a fused kernel (decode: the weight streams
@@ -213,6 +214,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     pos = start[:, None] + torch.arange(T, device=q.device)  # [N, T]
     k_cache[slots[:, None], pos] = k.to(k_cache.dtype)
     v_cache[slots[:, None], pos] = v.to(v_cache.dtype)
+    if attention_op.kernel_applies(q, k_cache, v_cache):  # tiled, in C++: no mask or scores over the span
+        return attention_op.attention_cached(q, k_cache, v_cache, slots, start, scale)
     span = int(start.max()) + T  # keys beyond the longest sequence are never visible
     if N == 1:  # one sequence (decode of a single stream): its cache row as a view, no gather
         row = int(slots[0])
