@@ -157,6 +157,14 @@ def _fused_inference(*tensors: torch.Tensor | None) -> bool:
 
 
 _STEP_CACHE_DTYPES = (torch.float32, torch.float16)  # KV caches the attention step kernel reads
+# From this many cached tokens, a decode step with fewer (sequence, kv head) pairs than threads attends
+# through the tiled kernel (cached_attention), which splits the keys across the idle threads; the one-call
+# step kernel threads over those pairs only.
+_SPLIT_DECODE_SPAN = 2048
+
+
+def _split_decode(pairs: int, start: torch.Tensor) -> bool:
+    return pairs < torch.get_num_threads() and int(start.max()) >= _SPLIT_DECODE_SPAN
 
 
 def swiglu(gate_up: torch.Tensor, inplace: bool = False) -> torch.Tensor:
@@ -277,7 +285,8 @@ class GatedAttention(nn.Module):
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         proj = self.qkv_proj(x)
         if (T == 1 and k_cache is not None and _fused_inference(proj, cos, self.q_norm.weight)
-                and k_cache.dtype in _STEP_CACHE_DTYPES and v_cache.dtype == k_cache.dtype and k_cache.is_cpu):
+                and k_cache.dtype in _STEP_CACHE_DTYPES and v_cache.dtype == k_cache.dtype and k_cache.is_cpu
+                and not _split_decode(N * nkv, start)):
             # decode: norms, rope, cache write, attention and gate in one kernel call (~40 small ops otherwise)
             o = torch.empty(N, nh * hd)
             fused.extension().attention_step(proj.view(N, -1), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
