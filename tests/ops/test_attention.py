@@ -95,3 +95,11 @@ def test_bad_arguments_are_named():
         attention_cached(q, kc, vc, slots, torch.tensor([kc.shape[1]]), 0.1)
     with pytest.raises(RuntimeError, match="nh a multiple of nkv"):
         attention_cached(q[:, :, :3], kc, vc, slots, start, 0.1)
+
+
+@pytest.mark.parametrize("T", [3, 5])  # 12 query rows (dot products) or 20 (the wide score kernel)
+def test_a_few_tokens_over_a_long_cache_split_across_the_context(T):
+    """A speculative verify pass: a few query tokens of one kv head, keys split across threads; the first
+    tokens see none of the keys past them in the last split."""
+    q, kc, vc, slots, start = _case(1, T, 4, 1, 64, 48, [900], torch.float16)
+    _check(q, kc, vc, slots, start, 0.125)
