@@ -2,6 +2,7 @@
 
     python -m deltaserve.bench.compare MODEL.gguf [--against llama.cpp|none] [--reps 3] [--json out.json]
     deltaserve bench MODEL.gguf --against llama.cpp
+    deltaserve bench MODEL.gguf --against llama.cpp --prompt 512,8192,32768   (as the context grows: context.py)
 
 Each engine runs in its own worker process (so its peak RSS is its own), alternating, for several
 repetitions. Measured: prefill tokens/s at 512 and 2048 prompt tokens, decode tokens/s (64 greedy tokens
@@ -30,6 +31,16 @@ def _prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
 
     rng = random.Random(seed)
     return [rng.randrange(min(vocab, 30000) // 4, min(vocab, 30000)) for _ in range(n)]
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt takes comma-separated token counts, got {text!r}") from None
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"--prompt lengths must be >= 1, got {text!r}")
+    return lengths
 
 
 def _worker_deltaserve(args) -> dict:
@@ -165,11 +176,14 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a GGUF file")
     p.add_argument("--against", choices=["llama.cpp", "none"], default="llama.cpp", help="peer (default llama.cpp)")
-    p.add_argument("--reps", type=int, default=3, help="repetitions per engine, alternating (default 3)")
+    p.add_argument("--reps", type=int, help="repetitions per engine, alternating (default 3; 1 with --prompt)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for both engines (default: all)")
     p.add_argument("--batch", type=int, default=512, help="prefill batch / chunk for both engines (default 512)")
     p.add_argument("--prefill", type=int, nargs="+", default=[512, 2048], help="prompt lengths (default 512 2048)")
-    p.add_argument("--decode", type=int, default=64, help="decode tokens after a 512-token prompt (default 64)")
+    p.add_argument("--decode", type=int, help="decode tokens after a 512-token prompt (default 64; with --prompt, "
+                                               "after each prompt, 16)")
+    p.add_argument("--prompt", type=_lengths, help="prompt lengths, comma-separated: prefill, decode at that context "
+                                                   "and peak RSS per length, each engine with its default settings")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="deltaserve compute dtype")
     p.add_argument("--cache-mb", type=float, default=0.0,
                    help="deltaserve's prefix-checkpoint budget (default 0: off, as llama-cpp-python's Llama keeps "
@@ -177,6 +191,13 @@ def main(argv=None):
     p.add_argument("--json", help="write the results here as JSON")
     p.add_argument("--worker", choices=["deltaserve", "llama.cpp", "bandwidth"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.prompt and not args.worker:
+        from deltaserve.bench import context
+
+        args.reps, args.decode = args.reps or 1, args.decode or 16
+        context.run(args)
+        return
+    args.reps, args.decode = args.reps or 3, args.decode or 64
 
     if args.worker:
         workers = {"deltaserve": _worker_deltaserve, "llama.cpp": _worker_llama, "bandwidth": _worker_bandwidth}

@@ -4,7 +4,8 @@ A slot holds the KV cache of the attention layers and the conv and delta-rule st
 layers (one HybridState row) for exactly the tokens in `history[slot]`. A new prompt continues a slot
 whose history it extends (the live state); otherwise it restores the newest checkpoint at or before the
 point where it leaves the cached tokens (the recurrent state saved there and the KV rows of the prefix)
-and only the rest is prefilled. A checkpoint is taken whenever a slot's length reaches a multiple of
+and only the rest is prefilled (checkpoints view the KV rows of the slot that took them until it writes over
+them, see _release_rows). A checkpoint is taken whenever a slot's length reaches a multiple of
 `interval` or a position its request marked (where the conversation may diverge next turn: the start
 of the assistant's turn, the end of the prompt), and at the end of an answer: the runner cuts its
 forward passes there, and `rollback` saves the interval ones it steps back over.
@@ -144,6 +145,7 @@ class CacheManager:
         return dst
 
     def reset(self, slot: int) -> None:
+        self._release_rows(slot, 0)
         self.state.reset([slot])
         self.history[slot] = []
         self._wanted[slot] = set()
@@ -192,6 +194,7 @@ class CacheManager:
                 self.state.rollback(slot, b)
                 self.history[slot] = tokens[:b]
                 self._checkpoint(slot)
+        self._release_rows(slot, length)  # the rows past `length` will be written again
         self.state.rollback(slot, length)
         self.history[slot] = tokens[:length]
 
@@ -201,6 +204,7 @@ class CacheManager:
 
     def restore(self, slot: int, saved: RecurrentCopy) -> None:
         """Back to the point of `save`: only tokens were added to the slot since."""
+        self._release_rows(slot, saved.length)
         self.state.load_recurrent(slot, saved)
         del self.history[slot][saved.length:]
 
@@ -264,17 +268,37 @@ class CacheManager:
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, slot: int) -> None:
         """A checkpoint of the slot as it is: a block at a multiple of the interval, else a mark."""
-        self.store.put_mark(self.history[slot], lambda a, b: self.state.read_kv(slot, a, b),
+        self.store.put_mark(self.history[slot], lambda a, b: self.state.read_kv(slot, a, b, copy=False),
                             lambda: self.state.save_recurrent(slot))
+
+    def _release_rows(self, slot: int, start: int) -> None:
+        """The slot's KV rows from `start` on are about to be written: checkpoints still viewing them copy
+        them first."""
+        if self.store is None:
+            return
+        spans = []  # [lo, hi) byte addresses of those rows in each layer's cache
+        for cache in self.state.k + self.state.v:
+            if cache is not None and cache.numel():
+                size, base = cache.element_size(), cache.data_ptr()
+                spans.append((base + (slot * cache.stride(0) + start * cache.stride(1)) * size,
+                              base + (slot + 1) * cache.stride(0) * size))
+
+        def overwritten(view) -> bool:
+            lo = view.data_ptr()
+            hi = lo + view.numel() * view.element_size()
+            return any(lo < b and a < hi for a, b in spans)
+
+        self.store.detach(overwritten)
 
     def _restore(self, slot: int, prompt: Sequence[int], path: list[Block], mark: Mark | None) -> None:
         """Make the slot hold prompt[:end] from checkpoint blocks (and a mark after them): the KV rows it
         lacks, then the recurrent state."""
+        end = mark.end if mark is not None else path[-1].end
+        have = min(_common(self.history[slot], prompt), end)  # KV rows already right in this slot
+        self._release_rows(slot, have)
         pieces = [(block.end - self.interval, block.k, block.v) for block in path]
         if mark is not None:
             pieces.append((mark.block.end, mark.k, mark.v))
-        end = mark.end if mark is not None else path[-1].end
-        have = min(_common(self.history[slot], prompt), end)  # KV rows already right in this slot
         for start, k, v in pieces:
             size = next((t.shape[0] for t in k if t is not None), 0)
             if start + size > have:

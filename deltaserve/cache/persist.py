@@ -104,7 +104,8 @@ def _put(tensors: dict, key: str, k, v, recurrent: RecurrentCopy | None) -> None
     for name, items in (("k", k), ("v", v)) + ((("conv", recurrent.conv), ("ssm", recurrent.ssm)) if recurrent else ()):
         for layer, t in enumerate(items):
             if t is not None:
-                tensors[f"{key}.{name}{layer}"] = t.contiguous()
+                # KV rows still viewed in a slot's cache share its storage, which safetensors refuses
+                tensors[f"{key}.{name}{layer}"] = t.clone() if t._base is not None else t.contiguous()
     if recurrent is not None:
         tensors[f"{key}.length"] = torch.tensor([recurrent.length])
 

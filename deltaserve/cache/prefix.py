@@ -7,6 +7,9 @@ Between block boundaries a `Mark` hangs off a block (or the root): the few token
 rows and the recurrent state after them. Marks sit where conversations diverge (where an assistant turn
 starts, the end of a prompt, the end of an answer), so a prompt that leaves the cached tokens there
 restores all it shares instead of the last block boundary before it.
+While the slot that took a checkpoint still holds its prefix, the checkpoint's KV rows are views of that
+slot's cache (a long prompt's checkpoints would otherwise copy its whole KV cache); they are copied out,
+and counted, when the slot is about to write over them (`detach`).
 Over budget, the least recently used checkpoint goes first: a mark or a leaf is dropped whole, an inner
 block only drops its recurrent state (the blocks and marks below it still need its KV rows).
 """
@@ -61,7 +64,8 @@ class Mark:
 
 
 def _kv_bytes(k, v) -> int:
-    return sum(t.numel() * t.element_size() for t in k + v if t is not None)
+    """Bytes of the KV rows a checkpoint owns: rows still viewed in a slot's cache cost nothing extra."""
+    return sum(t.numel() * t.element_size() for t in k + v if t is not None and t._base is None)
 
 
 class PrefixStore:
@@ -159,6 +163,18 @@ class PrefixStore:
         for block in path:  # deeper blocks count as more recent: their state saves more work
             self._clock += 1
             block.last_used = self._clock
+
+    def detach(self, overwritten: Callable[[torch.Tensor], bool]) -> None:
+        """Give every checkpoint whose KV rows are views (see CacheManager) for which `overwritten(view)` holds
+        its own copy of them, counted from now on (then the budget may evict others)."""
+        holders = [*self.blocks, *self.marks()]
+        for h in holders:
+            for rows in (h.k, h.v):
+                for i, t in enumerate(rows):
+                    if t is not None and t._base is not None and overwritten(t):
+                        rows[i] = t.clone()
+                        self.nbytes += t.numel() * t.element_size()
+        self.enforce_budget()
 
     def clear(self) -> None:
         self.root = Block((), 0, None, [], [], None)

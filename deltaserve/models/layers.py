@@ -14,6 +14,7 @@ from torch import nn
 
 from deltaserve.loader.memory import weight_empty
 from deltaserve.models import packed
+from deltaserve.ops import attention as attention_op
 from deltaserve.ops import fused
 
 # Up to this many rows a float16 or Q8_0 weight goes through a fused kernel (decode: the weight streams
@@ -156,6 +157,14 @@ def _fused_inference(*tensors: torch.Tensor | None) -> bool:
 
 
 _STEP_CACHE_DTYPES = (torch.float32, torch.float16)  # KV caches the attention step kernel reads
+# From this many cached tokens, a decode step with fewer (sequence, kv head) pairs than threads attends
+# through the tiled kernel (cached_attention), which splits the keys across the idle threads; the one-call
+# step kernel threads over those pairs only.
+_SPLIT_DECODE_SPAN = 2048
+
+
+def _split_decode(pairs: int, start: torch.Tensor) -> bool:
+    return pairs < torch.get_num_threads() and int(start.max()) >= _SPLIT_DECODE_SPAN
 
 
 def swiglu(gate_up: torch.Tensor, inplace: bool = False) -> torch.Tensor:
@@ -213,6 +222,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     pos = start[:, None] + torch.arange(T, device=q.device)  # [N, T]
     k_cache[slots[:, None], pos] = k.to(k_cache.dtype)
     v_cache[slots[:, None], pos] = v.to(v_cache.dtype)
+    if attention_op.kernel_applies(q, k_cache, v_cache):  # tiled, in C++: no mask or scores over the span
+        return attention_op.attention_cached(q, k_cache, v_cache, slots, start, scale)
     span = int(start.max()) + T  # keys beyond the longest sequence are never visible
     if N == 1:  # one sequence (decode of a single stream): its cache row as a view, no gather
         row = int(slots[0])
@@ -274,7 +285,8 @@ class GatedAttention(nn.Module):
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         proj = self.qkv_proj(x)
         if (T == 1 and k_cache is not None and _fused_inference(proj, cos, self.q_norm.weight)
-                and k_cache.dtype in _STEP_CACHE_DTYPES and v_cache.dtype == k_cache.dtype and k_cache.is_cpu):
+                and k_cache.dtype in _STEP_CACHE_DTYPES and v_cache.dtype == k_cache.dtype and k_cache.is_cpu
+                and not _split_decode(N * nkv, start)):
             # decode: norms, rope, cache write, attention and gate in one kernel call (~40 small ops otherwise)
             o = torch.empty(N, nh * hd)
             fused.extension().attention_step(proj.view(N, -1), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,

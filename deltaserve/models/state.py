@@ -136,10 +136,13 @@ class HybridState:
                 mine[slot].copy_(theirs)
         self.lengths[slot] = saved.length
 
-    def read_kv(self, slot: int, start: int, end: int) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
-        """Copies of the slot's keys and values at positions [start, end), per attention layer [end-start, n_kv, d]."""
-        return ([None if t is None else t[slot, start:end].clone() for t in self.k],
-                [None if t is None else t[slot, start:end].clone() for t in self.v])
+    def read_kv(self, slot: int, start: int, end: int, copy: bool = True) -> tuple[list[torch.Tensor | None],
+                                                                                  list[torch.Tensor | None]]:
+        """The slot's keys and values at positions [start, end), per attention layer [end-start, n_kv, d]:
+        copies, or with copy=False views of the cache rows (valid until those rows are written again)."""
+        def rows(t):
+            return None if t is None else t[slot, start:end].clone() if copy else t[slot, start:end]
+        return [rows(t) for t in self.k], [rows(t) for t in self.v]
 
     def write_kv(self, slot: int, start: int, k: list[torch.Tensor | None], v: list[torch.Tensor | None]) -> None:
         """Put keys and values (as read_kv returns them) at positions start, start+1, ... of the slot."""

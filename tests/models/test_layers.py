@@ -169,6 +169,7 @@ def test_attention_kernels_equal_torch_path(T, kernel, hd, cache_dtype, monkeypa
     with torch.no_grad():
         got = attn(x, cos, sin, *kernel_caches, slots, start)
     assert calls.count(kernel) == 1  # the kernel took this pass
+    assert T == 1 or calls.count("attention_cached") == 1  # a prefill attends through the tiled kernel
     with torch.enable_grad():
         want = attn(x, cos, sin, *torch_caches, slots, start)
     # float16: a last-bit difference in a new key (the two paths norm and rotate in their own order) may round

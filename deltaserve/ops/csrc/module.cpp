@@ -1,6 +1,7 @@
 // deltaserve's CPU kernels, built by ops/fused.py as one translation unit from the headers beside this file:
 // delta_rule.h (the fused gated delta rule), conv.h, layers.h (norms, SwiGLU, attention step), gemv.h,
 // kquants.h (packed GGML blocks: decoders, rows to float32) and kquants_avx512.h, packed.h (decode GEMV and rows to float32 on them).
+#include "attention.h"  // tiled attention over the KV cache for long spans
 #include "conv.h"
 #include "delta_rule.h"
 #include "gemv.h"
@@ -20,4 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_q8", &deltaserve::linear_q8, "float32 activations times Q8_0 weights (CPU)");
   m.def("linear_packed", &deltaserve::kq::linear_packed, "float32 activations times packed GGML blocks (CPU)");
   m.def("packed_rows", &deltaserve::kq::packed_rows, "rows of packed GGML blocks dequantised to float32 (CPU)");
+
+  // attention.h
+  m.def("attention_cached", &deltaserve::attention_cached, "tiled causal attention over a KV cache (CPU, float32 q)");
 }
