@@ -1,9 +1,11 @@
 // deltaserve's CPU kernels, built by ops/fused.py as one translation unit from the headers beside this file:
 // delta_rule.h (the fused gated delta rule), conv.h, layers.h (norms, SwiGLU, attention step), gemv.h,
-// kquants.h (packed GGML blocks: decoders, rows to float32) and kquants_avx512.h, packed.h (decode GEMV and rows to float32 on them).
+// kquants.h (packed GGML blocks: decoders, rows to float32) and kquants_avx512.h, packed.h (decode GEMV and rows to float32 on them),
+// int8dot.h (integer dot products of K-quant blocks with activations rounded to int8).
 #include "conv.h"
 #include "delta_rule.h"
 #include "gemv.h"
+#include "int8dot.h"
 #include "kquants.h"
 #include "layers.h"
 #include "packed.h"
@@ -19,5 +21,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &deltaserve::silu_mul, "silu(x[:, :I]) * x[:, I:] (CPU, float32)");
   m.def("linear_q8", &deltaserve::linear_q8, "float32 activations times Q8_0 weights (CPU)");
   m.def("linear_packed", &deltaserve::kq::linear_packed, "float32 activations times packed GGML blocks (CPU)");
+  m.def("linear_int8", &deltaserve::kq::linear_int8, "activations rounded to int8 per 256 times K-quant blocks (CPU)");
   m.def("packed_rows", &deltaserve::kq::packed_rows, "rows of packed GGML blocks dequantised to float32 (CPU)");
 }
