@@ -312,41 +312,5 @@ inline void dot_group(int64_t mb, const WBlock* w, const XBlock* x, int64_t nb, 
   }
 }
 
-// y [M, N] = x [M, K] (float32, rounded to Q8_K here) @ W^T, W packed K-quant blocks (segment table as for
-// linear_packed). Threads split the output columns into tiles of up to kTile weight rows, opened once into a
-// per-thread buffer (it stays in L2: 16 rows of K = 3584 are 86 KB) and multiplied by every group of rows of x.
-inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor table, torch::Tensor y) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be float32 [M, K] contiguous");
-  TORCH_CHECK(bytes.dtype() == torch::kUInt8 && bytes.is_contiguous(), "packed bytes must be contiguous uint8");
-  const int64_t M = x.size(0), K = x.size(1), nb = K / 256;
-  const Segments seg(table, K, bytes.numel());
-  const int64_t N = seg.rows;
-  TORCH_CHECK(y.dtype() == torch::kFloat32 && y.is_contiguous() && y.size(0) == M && y.size(1) == N, "y must be float32 [M, N]");
-  for (int64_t s = 0; s < seg.S; ++s)
-    TORCH_CHECK(int8_type(seg.type(s)), "linear_int8: GGML type ", seg.type(s), " has no integer kernel");
-  const std::vector<XBlock> xq = quantize_rows(x.data_ptr<float>(), M, K);
-  const uint8_t* base = bytes.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  const int64_t tile = M <= kRows ? 1 : 16;  // one row: opened into L1 and used at once (decode)
-  at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<WBlock> w(tile * nb);
-    for (int64_t t = lo; t < hi; ++t) {
-      const int64_t n0 = t * tile, rows = std::min(tile, N - n0);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t s = seg.find(n0 + r);
-        open_row(seg.type(s), seg.row(base, s, n0 + r, K), nb, w.data() + r * nb);
-      }
-      for (int64_t g = 0; g < M; g += kRows) {
-        const int64_t mb = std::min<int64_t>(kRows, M - g);
-        for (int64_t r = 0; r < rows; ++r) {
-          float sums[kRows];
-          dot_group(mb, w.data() + r * nb, xq.data() + g * nb, nb, sums);
-          for (int64_t m = 0; m < mb; ++m) yp[(g + m) * N + n0 + r] = sums[m];
-        }
-      }
-    }
-  });
-}
-
 }  // namespace kq
 }  // namespace deltaserve

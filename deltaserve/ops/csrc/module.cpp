@@ -1,11 +1,11 @@
 // deltaserve's CPU kernels, built by ops/fused.py as one translation unit from the headers beside this file:
 // delta_rule.h (the fused gated delta rule), conv.h, layers.h (norms, SwiGLU, attention step), gemv.h,
 // kquants.h (packed GGML blocks: decoders, rows to float32) and kquants_avx512.h, packed.h (decode GEMV and rows to float32 on them),
-// int8dot.h (integer dot products of K-quant blocks with activations rounded to int8).
+// int8dot.h and int8gemm.h (integer dot products of K-quant blocks with activations rounded to int8).
 #include "conv.h"
 #include "delta_rule.h"
 #include "gemv.h"
-#include "int8dot.h"
+#include "int8gemm.h"
 #include "kquants.h"
 #include "layers.h"
 #include "packed.h"
