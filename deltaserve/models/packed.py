@@ -131,7 +131,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     xr = x.reshape(-1, K)
     if pk.x_index is not None:
         xr = xr.index_select(1, pk.x_index)
-    if INT8_ACTIVATIONS and _int8(pk) and x.device.type == "cpu" and fused.available():
+    if uses_int8(w) and x.device.type == "cpu" and fused.available():
         y = torch.empty(xr.shape[0], N)
         fused.extension().linear_int8(xr.float().contiguous(), w.contiguous(), pk.table, y)
     elif xr.shape[0] <= _GEMV_ROWS and x.dtype == torch.float32 and x.device.type == "cpu" and fused.available():
@@ -143,8 +143,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     return y if bias is None else y + bias.to(y.dtype)
 
 
-def _int8(pk: Packing) -> bool:
-    return all(qtype in INT8_TYPES for qtype, _ in pk.segments)
+def uses_int8(w: torch.Tensor) -> bool:
+    """Whether linear() multiplies packed matrix w by activations rounded to int8 (see INT8_ACTIVATIONS)."""
+    return INT8_ACTIVATIONS and all(qtype in INT8_TYPES for qtype, _ in w.packing.segments)
 
 
 def _blocked_gemm(xr: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

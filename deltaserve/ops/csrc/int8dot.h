@@ -115,9 +115,17 @@ inline void k4_scales(const uint8_t* packed, uint8_t* sc, uint8_t* mn) {
   std::memcpy(mn + 4, u + 3, 4);
 }
 
-// sc / off per 16 elements from values per 32 (each twice)
+// sc / off per 16 elements from 8 values per 32 (each twice)
 inline void per16(const uint8_t* v32, int16_t* v16) {
+#if defined(__AVX2__)
+  uint64_t eight;
+  std::memcpy(&eight, v32, 8);
+  const __m128i v = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(eight)));
+  _mm_store_si128(reinterpret_cast<__m128i*>(v16), _mm_unpacklo_epi16(v, v));
+  _mm_store_si128(reinterpret_cast<__m128i*>(v16 + 8), _mm_unpackhi_epi16(v, v));
+#else
   for (int i = 0; i < 16; ++i) v16[i] = v32[i / 2];
+#endif
 }
 
 // Q4_K / Q5_K (hbits: Q5_K's 32 bytes of fifth bits, or null)
@@ -152,11 +160,17 @@ inline void open_k4(const uint8_t* b, const uint8_t* qs, const uint8_t* hbits, W
 
 // Q6_K: ql[128] | qh[64] | scales int8[16] | d; codes kept as q + 32 (0..63), offset 32 sc
 inline void open_q6_k(const uint8_t* b, WBlock& w) {
+#if defined(__AVX2__)
+  const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(w.sc), sc);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(w.off), _mm256_slli_epi16(sc, 5));
+#else
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
   for (int i = 0; i < 16; ++i) {
     w.sc[i] = sc[i];
     w.off[i] = static_cast<int16_t>(32 * sc[i]);
   }
+#endif
   w.d = w.o = half(b + 208);
   for (int n = 0; n < 2; ++n) {
     const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;

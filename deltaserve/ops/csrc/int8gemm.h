@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #include "int8dot.h"
 
@@ -124,6 +125,21 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const std::vec
 constexpr bool kPanelGemm = false;
 inline void gemm_panels(const Segments&, const uint8_t*, const std::vector<XBlock>&, int64_t, int64_t, float*) {}
 #endif
+
+// which instructions the integer kernels of this build use (the benchmark prints it)
+inline std::string int8_isa() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return "AVX-512 VNNI: prefill vpdpbusd on 16-row panels, decode vpmaddubsw + vpdpwssd";
+#elif defined(__AVX512BW__)
+  return "AVX-512 BW: vpmaddubsw + vpmaddwd";
+#elif defined(__AVXVNNI__)
+  return "AVX2 + AVX-VNNI: vpmaddubsw + vpdpwssd";
+#elif defined(__AVX2__)
+  return "AVX2: vpmaddubsw + vpmaddwd";
+#else
+  return "portable C++";
+#endif
+}
 
 // y [M, N] = x [M, K] (float32, rounded to Q8_K here) @ W^T, W packed K-quant blocks (segment table as for
 // linear_packed). Prefill on AVX-512 VNNI: the panels above. Otherwise threads split the output columns into
