@@ -207,10 +207,10 @@ def cmd_serve(args):
 
 
 def cmd_bench(args):
-    if args.model in ("ops", "session"):
-        from deltaserve.bench import ops, session
+    if args.model in ("ops", "session", "kernels"):
+        from deltaserve.bench import kernels, ops, session
 
-        (ops if args.model == "ops" else session).main(args.rest)
+        {"ops": ops, "session": session, "kernels": kernels}[args.model].main(args.rest)
         return
     from deltaserve.bench import compare
 
@@ -292,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="'deltaserve bench MODEL.gguf [--against llama.cpp]' measures prefill and "
                                        "decode tokens/s and peak memory; 'deltaserve bench ops' the kernels. "
                                        "Add --help after MODEL or ops for their options.")
-    bench.add_argument("model", help="a GGUF file, 'ops' for the gated-delta-rule kernels, or 'session' for a "
+    bench.add_argument("model", help="a GGUF file, 'ops' for the gated-delta-rule kernels, 'kernels' for the matmul "
+                                     "kernels against this machine's peaks, or 'session' for a "
                                      "multi-turn conversation beside llama-server ('bench session MODEL')")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
     bench.set_defaults(fn=cmd_bench)

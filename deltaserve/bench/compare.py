@@ -8,7 +8,8 @@ Each engine runs in its own worker process (so its peak RSS is its own), alterna
 repetitions. Measured: prefill tokens/s at 512 and 2048 prompt tokens, decode tokens/s (64 greedy tokens
 after a 512-token prompt), peak RSS; the table shows medians and the ratios deltaserve / llama.cpp. Below it:
 which of our decode kernels read how much of the weights, the GB/s our decode GEMVs alone stream them at
-(a token through every matmul weight), and the machine's memory bandwidth by a 1 GiB torch copy.
+(a token through every matmul weight), the machine's memory bandwidth by a 1 GiB torch copy, and the matmul
+kernels' rates beside this machine's peaks measured in the same run (bench/kernels.py).
 Both do the same work: llama-cpp-python's Llama keeps no prefix states (without a LlamaCache), so
 deltaserve's prefix checkpoints are off unless --cache-mb gives them a budget.
 """
@@ -93,6 +94,8 @@ def _kernels(model) -> str:
     mb, types = {}, {}
     for w in _matmul_weights(model):
         kernel = names.get(str(w.dtype).removeprefix("torch."), f"torch ({str(w.dtype).removeprefix('torch.')})")
+        if packed.is_packed(w) and packed.uses_int8(w):
+            kernel = "linear_int8"
         mb[kernel] = mb.get(kernel, 0) + w.nbytes / 1e6
         if packed.is_packed(w):
             types.setdefault(kernel, set()).update(t.name for t, _ in w.packing.segments)
@@ -131,6 +134,12 @@ def _worker_bandwidth(args) -> dict:
         b.copy_(a)
         best = min(best, time.perf_counter() - t)
     return {"copy_gbps": 2 * a.nbytes / best / 1e9}
+
+
+def _worker_kernels(args) -> dict:
+    from deltaserve.bench import kernels
+
+    return kernels.report(args.threads)
 
 
 def _worker_llama(args) -> dict:
@@ -189,7 +198,7 @@ def main(argv=None):
                    help="deltaserve's prefix-checkpoint budget (default 0: off, as llama-cpp-python's Llama keeps "
                         "no prefix states without a LlamaCache, so both engines do the same work)")
     p.add_argument("--json", help="write the results here as JSON")
-    p.add_argument("--worker", choices=["deltaserve", "llama.cpp", "bandwidth"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["deltaserve", "llama.cpp", "bandwidth", "kernels"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.prompt and not args.worker:
         from deltaserve.bench import context
@@ -200,7 +209,8 @@ def main(argv=None):
     args.reps, args.decode = args.reps or 3, args.decode or 64
 
     if args.worker:
-        workers = {"deltaserve": _worker_deltaserve, "llama.cpp": _worker_llama, "bandwidth": _worker_bandwidth}
+        workers = {"deltaserve": _worker_deltaserve, "llama.cpp": _worker_llama, "bandwidth": _worker_bandwidth,
+                   "kernels": _worker_kernels}
         result = workers[args.worker](args)
         result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps(result))
@@ -228,10 +238,14 @@ def main(argv=None):
     print(f"deltaserve decode kernels: {runs['deltaserve'][-1]['kernels']}")
     print(f"deltaserve decode GEMVs alone: {gemv:,.1f} GB/s of weights; a 1 GiB torch copy here: {copy:,.1f} GB/s "
           f"(read + write)")
+    from deltaserve.bench.kernels import format_report
+
+    kern = _run_worker("kernels", args)
+    print(format_report(kern))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "threads": args.threads, "runs": runs, "median": median,
-                       "copy_gbps": copy}, f, indent=2)
+                       "copy_gbps": copy, "kernels": kern}, f, indent=2)
         print(f"wrote {args.json}")
 
 

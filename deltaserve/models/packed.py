@@ -23,6 +23,10 @@ from deltaserve.models.weights import IDENTITY, Cat, Leaf, Layout
 from deltaserve.ops import fused
 
 TYPES = frozenset({Q.Q4_0, Q.IQ4_NL, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})  # those the kernels read (kquants.h)
+INT8_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})  # those with integer dot-product kernels (int8dot.h)
+# Matrices all of INT8_TYPES multiply activations rounded to int8 per 256 (llama.cpp's Q8_K), as llama.cpp does on
+# these files: its speed, and its rounding. False: float32 activations times the exact weights (slower).
+INT8_ACTIVATIONS = True
 _GEMV_ROWS = 16  # up to this many activation rows the GEMV reads the blocks; above, dequantise + GEMM
 _DEQUANT_BYTES = 4 << 20  # the float32 rows a GEMM widens at a time
 
@@ -119,20 +123,29 @@ def dequantize(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W^T (+ bias) in x's dtype for a packed matrix W: up to 16 rows of float32 activations through the
-    GEMV kernel (the blocks stream from memory once), more through float32 GEMMs on blocks of dequantised rows."""
+    """x @ W^T (+ bias) in x's dtype for a packed matrix W: K-quant matrices through the integer kernels (see
+    INT8_ACTIVATIONS); otherwise up to 16 rows of float32 activations through the GEMV kernel (the blocks stream
+    from memory once), more through float32 GEMMs on blocks of dequantised rows."""
     pk = w.packing
     N, K = pk.shape
     xr = x.reshape(-1, K)
     if pk.x_index is not None:
         xr = xr.index_select(1, pk.x_index)
-    if xr.shape[0] <= _GEMV_ROWS and x.dtype == torch.float32 and x.device.type == "cpu" and fused.available():
+    if uses_int8(w) and x.device.type == "cpu" and fused.available():
+        y = torch.empty(xr.shape[0], N)
+        fused.extension().linear_int8(xr.float().contiguous(), w.contiguous(), pk.table, y)
+    elif xr.shape[0] <= _GEMV_ROWS and x.dtype == torch.float32 and x.device.type == "cpu" and fused.available():
         y = torch.empty(xr.shape[0], N)
         fused.extension().linear_packed(xr.contiguous(), w.contiguous(), pk.table, y)
     else:
         y = _blocked_gemm(xr, w)
     y = y.view(*x.shape[:-1], N).to(x.dtype)
     return y if bias is None else y + bias.to(y.dtype)
+
+
+def uses_int8(w: torch.Tensor) -> bool:
+    """Whether linear() multiplies packed matrix w by activations rounded to int8 (see INT8_ACTIVATIONS)."""
+    return INT8_ACTIVATIONS and all(qtype in INT8_TYPES for qtype, _ in w.packing.segments)
 
 
 def _blocked_gemm(xr: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,13 @@ from tests.loader.test_quants import random_blocks
 TYPES = sorted(packed.TYPES)
 
 
+@pytest.fixture(autouse=True)
+def float_activations(monkeypatch):
+    """This file holds the float kernels (float32 activations, exact weights) to float32 accuracy; the integer
+    kernels that K-quant matrices take by default are held to theirs in test_int8_dot.py."""
+    monkeypatch.setattr(packed, "INT8_ACTIVATIONS", False)
+
+
 def packed_matrix(segments, K, seed=0, x_index=None):
     """A packed [N, K] matrix of random blocks (finite scales), rows in `segments` ((type, rows), ...), and its
     values from gguf-py as float64 (in held column order)."""

@@ -1,13 +1,17 @@
 // deltaserve's CPU kernels, built by ops/fused.py as one translation unit from the headers beside this file:
 // delta_rule.h (the fused gated delta rule), conv.h, layers.h (norms, SwiGLU, attention step), gemv.h,
-// kquants.h (packed GGML blocks: decoders, rows to float32) and kquants_avx512.h, packed.h (decode GEMV and rows to float32 on them).
-#include "attention.h"  // tiled attention over the KV cache for long spans
+// kquants.h (packed GGML blocks: decoders, rows to float32) and kquants_avx512.h, packed.h (decode GEMV and rows to float32 on them),
+// int8dot.h and int8gemm.h (integer dot products of K-quant blocks with activations rounded to int8), probe.h (peaks),
+// attention.h (tiled attention over the KV cache for long spans).
+#include "attention.h"
 #include "conv.h"
 #include "delta_rule.h"
 #include "gemv.h"
+#include "int8gemm.h"
 #include "kquants.h"
 #include "layers.h"
 #include "packed.h"
+#include "probe.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdr_forward", &deltaserve::gdr_forward, "fused gated delta rule (CPU, float32)");
@@ -20,6 +24,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &deltaserve::silu_mul, "silu(x[:, :I]) * x[:, I:] (CPU, float32)");
   m.def("linear_q8", &deltaserve::linear_q8, "float32 activations times Q8_0 weights (CPU)");
   m.def("linear_packed", &deltaserve::kq::linear_packed, "float32 activations times packed GGML blocks (CPU)");
+  m.def("linear_int8", &deltaserve::kq::linear_int8, "activations rounded to int8 per 256 times K-quant blocks (CPU)");
+  m.def("int8_isa", &deltaserve::kq::int8_isa, "the instructions of the integer kernels in this build");
+  m.def("probe_fma", &deltaserve::probe_fma, "float32 FMAs per second, all threads (iters, reps)");
+  m.def("probe_int8", &deltaserve::probe_int8, "int8 products per second, all threads (iters, reps)");
+  m.def("probe_read", &deltaserve::probe_read, "bytes read per second, all threads (buf, reps)");
   m.def("packed_rows", &deltaserve::kq::packed_rows, "rows of packed GGML blocks dequantised to float32 (CPU)");
 
   // attention.h

@@ -1,0 +1,330 @@
+// Integer dot products for K-quant weights (Q4_K, Q5_K, Q6_K), the arithmetic llama.cpp uses on these files:
+// the activations are rounded per 256 to int8 with one float scale (llama.cpp's Q8_K: int8 q, scale d, int16
+// sums per 16), each weight block is opened once into unsigned 8-bit codes with int16 scales and offsets per 16
+// weights, and code x activation products are summed in integers (vpmaddubsw: u8 x s8 pairs to int16, then
+// vpdpwssd / vpmaddwd: times the scale, to int32), a float multiply-add per block and row.
+//
+//   block . x  =  d_w d_x sum_i sc_i sum_(e in i) code_e q_e  -  o_w d_x sum_i off_i bsum_i      (i: groups of 16)
+//
+// Q4_K / Q5_K: sc = 6-bit scale, off = 6-bit min, o_w = dmin; Q6_K: code = the stored 6 bits (0..63, the value's
+// q - 32 plus 32), off = 32 sc, o_w = d.
+// The ISA (AVX-512 BW with or without VNNI, AVX2 with or without AVX-VNNI, portable C++) is the build's:
+// ops/fused.py compiles for the CPU it runs on (-march=native, cached per CPU flags).
+#pragma once
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gemv.h"
+#include "kquants.h"
+
+namespace deltaserve {
+namespace kq {
+
+// one weight block opened: codes in element order, int16 scale and offset per 16 elements
+struct alignas(64) WBlock {
+  uint8_t q[256];
+  int16_t sc[16], off[16];
+  float d, o;
+};
+
+// one row's 256 activations rounded to int8 (Q8_K): x ~ d * q; bs[i] = sum of q over elements 16i .. 16i + 15
+struct alignas(64) XBlock {
+  int8_t q[256];
+  int16_t bs[16];
+  float d;
+};
+
+#if defined(__AVX512BW__)
+constexpr int kRows = 8;  // activation rows per pass over a weight row: int32 + float accumulators in registers
+#else
+constexpr int kRows = 4;  // 16 ymm registers
+#endif
+
+inline bool int8_type(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+
+inline float half(const uint8_t* p) {
+#if defined(__F16C__)
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+#else
+  return f16(p);
+#endif
+}
+
+// -- activations -----------------------------------------------------------------------------------
+
+inline void quantize_block(const float* x, XBlock& out) {
+#if defined(__AVX512F__)
+  __m512 amax = _mm512_setzero_ps();
+  for (int c = 0; c < 16; ++c) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + 16 * c)));
+  const float a = _mm512_reduce_max_ps(amax);
+  const __m512 is = _mm512_set1_ps(a > 0.f ? 127.f / a : 0.f);
+  for (int c = 0; c < 16; ++c) {
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * c), is));  // nearest
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q + 16 * c), _mm512_cvtepi32_epi8(q));
+    out.bs[c] = static_cast<int16_t>(_mm512_reduce_add_epi32(q));
+  }
+#else
+  float a = 0.f;
+  for (int e = 0; e < 256; ++e) a = std::max(a, std::fabs(x[e]));
+  const float is = a > 0.f ? 127.f / a : 0.f;
+  for (int c = 0; c < 16; ++c) {
+    int s = 0;
+    for (int e = 16 * c; e < 16 * c + 16; ++e) s += out.q[e] = static_cast<int8_t>(std::nearbyint(x[e] * is));
+    out.bs[c] = static_cast<int16_t>(s);
+  }
+#endif
+  out.d = a / 127.f;
+}
+
+// x [M, K] as XBlocks, rows in groups of kRows (fewer in the last), each group [K / 256][rows]: a group's rows
+// for one weight block lie together.
+inline std::vector<XBlock> quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / 256;
+  std::vector<XBlock> out(M * nb);
+  at::parallel_for(0, M, 8, [&](int64_t lo, int64_t hi) {
+    for (int64_t m = lo; m < hi; ++m) {
+      const int64_t g = m / kRows * kRows, rows = std::min<int64_t>(kRows, M - g);
+      for (int64_t b = 0; b < nb; ++b) quantize_block(x + m * K + 256 * b, out[g * nb + b * rows + m - g]);
+    }
+  });
+  return out;
+}
+
+// -- weight blocks ---------------------------------------------------------------------------------
+
+// the 8 scales and 8 mins of a Q4_K / Q5_K block (ggml's get_scale_min_k4 for all at once, on 32-bit words)
+inline void k4_scales(const uint8_t* packed, uint8_t* sc, uint8_t* mn) {
+  uint32_t u[4];
+  std::memcpy(u, packed, 12);
+  const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);  // mins 4..7
+  const uint32_t mins = u[1] & m6;                        // mins 0..3
+  u[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);        // scales 4..7
+  u[0] &= m6;                                             // scales 0..3
+  std::memcpy(sc, u, 8);
+  std::memcpy(mn, &mins, 4);
+  std::memcpy(mn + 4, u + 3, 4);
+}
+
+// sc / off per 16 elements from 8 values per 32 (each twice)
+inline void per16(const uint8_t* v32, int16_t* v16) {
+#if defined(__AVX2__)
+  uint64_t eight;
+  std::memcpy(&eight, v32, 8);
+  const __m128i v = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(eight)));
+  _mm_store_si128(reinterpret_cast<__m128i*>(v16), _mm_unpacklo_epi16(v, v));
+  _mm_store_si128(reinterpret_cast<__m128i*>(v16 + 8), _mm_unpackhi_epi16(v, v));
+#else
+  for (int i = 0; i < 16; ++i) v16[i] = v32[i / 2];
+#endif
+}
+
+// Q4_K / Q5_K (hbits: Q5_K's 32 bytes of fifth bits, or null)
+inline void open_k4(const uint8_t* b, const uint8_t* qs, const uint8_t* hbits, WBlock& w) {
+  uint8_t sc[8], mn[8];
+  k4_scales(b + 4, sc, mn);
+  per16(sc, w.sc);
+  per16(mn, w.off);
+  w.d = half(b);
+  w.o = half(b + 2);
+#if defined(__AVX2__)
+  const __m256i m4 = _mm256_set1_epi8(0xF), bit4 = _mm256_set1_epi8(0x10);
+  const __m256i hb = hbits ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hbits)) : _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+    // bit 2j (2j + 1) of each hbits byte to bit 4: the shifts move whole 16-bit words, the mask keeps the byte's own
+    const __m256i h0 = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hb, 2 * j), 4), bit4);
+    const __m256i h1 = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hb, 2 * j + 1), 4), bit4);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(w.q + 64 * j), _mm256_or_si256(_mm256_and_si256(v, m4), h0));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(w.q + 64 * j + 32),
+                       _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), h1));
+  }
+#else
+  for (int j = 0; j < 4; ++j)
+    for (int l = 0; l < 32; ++l) {
+      const int h = hbits ? hbits[l] >> (2 * j) : 0;
+      w.q[64 * j + l] = (qs[32 * j + l] & 0xF) | ((h & 1) << 4);
+      w.q[64 * j + 32 + l] = (qs[32 * j + l] >> 4) | (((h >> 1) & 1) << 4);
+    }
+#endif
+}
+
+// Q6_K: ql[128] | qh[64] | scales int8[16] | d; codes kept as q + 32 (0..63), offset 32 sc
+inline void open_q6_k(const uint8_t* b, WBlock& w) {
+#if defined(__AVX2__)
+  const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(w.sc), sc);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(w.off), _mm256_slli_epi16(sc, 5));
+#else
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  for (int i = 0; i < 16; ++i) {
+    w.sc[i] = sc[i];
+    w.off[i] = static_cast<int16_t>(32 * sc[i]);
+  }
+#endif
+  w.d = w.o = half(b + 208);
+  for (int n = 0; n < 2; ++n) {
+    const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
+    uint8_t* q = w.q + 128 * n;
+#if defined(__AVX2__)
+    const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+    auto put = [&](int at, __m256i low, __m256i high) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q + at), _mm256_or_si256(_mm256_and_si256(low, m4), _mm256_and_si256(high, m30)));
+    };
+    put(0, l0, _mm256_slli_epi16(h, 4));
+    put(32, l1, _mm256_slli_epi16(h, 2));
+    put(64, _mm256_srli_epi16(l0, 4), h);
+    put(96, _mm256_srli_epi16(l1, 4), _mm256_srli_epi16(h, 2));
+#else
+    for (int l = 0; l < 32; ++l) {
+      q[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+      q[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+      q[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+      q[l + 96] = (ql[l + 32] >> 4) | ((qh[l] >> 6) << 4);
+    }
+#endif
+  }
+}
+
+inline void open_block(int64_t type, const uint8_t* b, WBlock& w) {
+  switch (type) {
+    case Q4_K: return open_k4(b, b + 16, nullptr, w);
+    case Q5_K: return open_k4(b, b + 48, b + 16, w);
+    case Q6_K: return open_q6_k(b, w);
+  }
+  layout(type);  // throws, naming the type
+}
+
+// nb blocks of a row of `type` opened into w, the stream prefetched ahead
+inline void open_row(int64_t type, const uint8_t* row, int64_t nb, WBlock* w) {
+  const int64_t bytes = layout(type).bytes;
+  for (int64_t b = 0; b < nb; ++b) {
+    const char* p = reinterpret_cast<const char*>(row + b * bytes) + kGemvPrefetch;
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+    open_block(type, row + b * bytes, w[b]);
+  }
+}
+
+// -- the dot products ------------------------------------------------------------------------------
+
+// out[m] = (weight row w) . (activation row m of x), MB rows, x laid out [nb][MB]
+template <int MB>
+inline void dot_rows(const WBlock* w, const XBlock* x, int64_t nb, float* out) {
+#if defined(__AVX512BW__)
+  // the scale of each int16 pair sum of 64-element chunk c: scale 4c + lane / 8
+  alignas(64) static const int16_t kLaneScale[4][32] = {
+      {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+      {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+      {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9, 10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+      {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13, 14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}};
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const WBlock& wb = w[b];
+    const XBlock* xb = x + b * MB;
+    const __m512i s16 = _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(wb.sc)));
+    __m512i ai[MB];
+    for (int m = 0; m < MB; ++m) ai[m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {  // 64 elements: 32 int16 pair sums, scale 4c + (lane / 8)
+      const __m512i codes = _mm512_load_si512(wb.q + 64 * c);
+      const __m512i sv = _mm512_permutexvar_epi16(_mm512_load_si512(kLaneScale[c]), s16);
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) {
+        const __m512i p = _mm512_maddubs_epi16(codes, _mm512_load_si512(xb[m].q + 64 * c));
+#if defined(__AVX512VNNI__)
+        ai[m] = _mm512_dpwssd_epi32(ai[m], p, sv);
+#else
+        ai[m] = _mm512_add_epi32(ai[m], _mm512_madd_epi16(p, sv));
+#endif
+      }
+    }
+    const __m256i off = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb.off));
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const __m256i o = _mm256_madd_epi16(off, _mm256_load_si256(reinterpret_cast<const __m256i*>(xb[m].bs)));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[m]), _mm512_set1_ps(wb.d * xb[m].d), acc[m]);
+      acc[m] = _mm512_fnmadd_ps(_mm512_zextps256_ps512(_mm256_cvtepi32_ps(o)), _mm512_set1_ps(wb.o * xb[m].d), acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+#elif defined(__AVX2__)
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const WBlock& wb = w[b];
+    const XBlock* xb = x + b * MB;
+    __m256i ai[MB];
+    for (int m = 0; m < MB; ++m) ai[m] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {  // 32 elements: 16 int16 pair sums, scales 2c (lanes 0..7), 2c + 1
+      const __m256i codes = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb.q + 32 * c));
+      const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(wb.sc[2 * c + 1]), _mm_set1_epi16(wb.sc[2 * c]));
+      for (int m = 0; m < MB; ++m) {
+        const __m256i p = _mm256_maddubs_epi16(codes, _mm256_load_si256(reinterpret_cast<const __m256i*>(xb[m].q + 32 * c)));
+#if defined(__AVXVNNI__)
+        ai[m] = _mm256_dpwssd_avx_epi32(ai[m], p, sv);
+#else
+        ai[m] = _mm256_add_epi32(ai[m], _mm256_madd_epi16(p, sv));
+#endif
+      }
+    }
+    const __m256i off = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb.off));
+    for (int m = 0; m < MB; ++m) {
+      const __m256i o = _mm256_madd_epi16(off, _mm256_load_si256(reinterpret_cast<const __m256i*>(xb[m].bs)));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[m]), _mm256_set1_ps(wb.d * xb[m].d), acc[m]);
+      acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(o), _mm256_set1_ps(wb.o * xb[m].d), acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+    const __m128 s = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    out[m] = _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+  }
+#else
+  for (int m = 0; m < MB; ++m) out[m] = 0.f;
+  for (int64_t b = 0; b < nb; ++b)
+    for (int m = 0; m < MB; ++m) {
+      const XBlock& xb = x[b * MB + m];
+      int32_t s = 0, o = 0;
+      for (int i = 0; i < 16; ++i) {
+        int32_t g = 0;
+        for (int e = 16 * i; e < 16 * i + 16; ++e) g += w[b].q[e] * xb.q[e];
+        s += w[b].sc[i] * g;
+        o += w[b].off[i] * xb.bs[i];
+      }
+      out[m] += w[b].d * xb.d * s - w[b].o * xb.d * o;
+    }
+#endif
+}
+
+inline void dot_group(int64_t mb, const WBlock* w, const XBlock* x, int64_t nb, float* out) {
+  switch (mb) {
+    case 1: return dot_rows<1>(w, x, nb, out);
+    case 2: return dot_rows<2>(w, x, nb, out);
+    case 3: return dot_rows<3>(w, x, nb, out);
+#if defined(__AVX512BW__)
+    case 4: return dot_rows<4>(w, x, nb, out);
+    case 5: return dot_rows<5>(w, x, nb, out);
+    case 6: return dot_rows<6>(w, x, nb, out);
+    case 7: return dot_rows<7>(w, x, nb, out);
+    default: return dot_rows<8>(w, x, nb, out);
+#else
+    default: return dot_rows<4>(w, x, nb, out);
+#endif
+  }
+}
+
+}  // namespace kq
+}  // namespace deltaserve

@@ -1,0 +1,126 @@
+// The machine's own peaks, measured in the benchmark's run (bench/kernels.py) so that each kernel's rate can be
+// given as a fraction of what this CPU reaches: float32 FMAs, int8 dot products (vpdpbusd, or vpmaddubsw +
+// vpmaddwd without VNNI) and memory reads. Each thread keeps 12 independent chains (an FMA waits 4 cycles, and
+// two issue per cycle: 8 chains in flight is the least that fills both pipes). Each thread times its own rounds
+// and keeps its fastest, and the rates add up: on a machine shared with other jobs a thread is often preempted,
+// and timing all threads together would measure the scheduler.
+#pragma once
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <chrono>
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace deltaserve {
+
+constexpr int kChains = 12;
+
+// sum over threads of ops / (that thread's fastest of `reps` calls of round(thread)), round returning its ops
+template <class F>
+inline double per_thread_rate(int64_t reps, F&& round) {
+  const int threads = at::get_num_threads();
+  std::vector<double> rate(threads, 0.0);
+  at::parallel_for(0, threads, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t)
+      for (int64_t r = 0; r < reps; ++r) {
+        const auto start = std::chrono::steady_clock::now();
+        const double ops = round(t);
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        if (s > 0) rate[t] = std::max(rate[t], ops / s);
+      }
+  });
+  double total = 0;
+  for (double r : rate) total += r;
+  return total;
+}
+
+// float32 multiply-adds per second on all threads, rounds of `iters` x kChains vector FMAs
+inline double probe_fma(int64_t iters, int64_t reps) {
+  return per_thread_rate(reps, [&](int64_t) {
+    float sink = 0.f;
+#if defined(__AVX512F__)
+    __m512 acc[kChains];
+    const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-3f);
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_ps(static_cast<float>(c));
+    for (int64_t i = 0; i < iters; ++i)
+      for (int c = 0; c < kChains; ++c) acc[c] = _mm512_fmadd_ps(acc[c], a, b);
+    for (int c = 1; c < kChains; ++c) acc[0] = _mm512_add_ps(acc[0], acc[c]);
+    sink = _mm512_reduce_add_ps(acc[0]);
+    constexpr int lanes = 16;
+#elif defined(__AVX2__)
+    __m256 acc[kChains];
+    const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-3f);
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm256_set1_ps(static_cast<float>(c));
+    for (int64_t i = 0; i < iters; ++i)
+      for (int c = 0; c < kChains; ++c) acc[c] = _mm256_fmadd_ps(acc[c], a, b);
+    for (int c = 1; c < kChains; ++c) acc[0] = _mm256_add_ps(acc[0], acc[c]);
+    sink = _mm256_cvtss_f32(acc[0]);
+    constexpr int lanes = 8;
+#else
+    constexpr int lanes = 0;
+#endif
+    asm volatile("" : : "x"(sink));  // the chains' result is used: the loop stays
+    return 2.0 * lanes * kChains * iters;
+  });
+}
+
+// int8 products (a multiply and an add each) per second on all threads, summed into int32 as the kernels do
+inline double probe_int8(int64_t iters, int64_t reps) {
+  return per_thread_rate(reps, [&](int64_t) {
+    int32_t sink = 0;
+#if defined(__AVX512VNNI__)
+    __m512i acc[kChains];
+    const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_epi32(c);
+    for (int64_t i = 0; i < iters; ++i)
+      for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbusd_epi32(acc[c], a, b);
+    for (int c = 1; c < kChains; ++c) acc[0] = _mm512_add_epi32(acc[0], acc[c]);
+    sink = _mm512_reduce_add_epi32(acc[0]);
+    constexpr int lanes = 64;
+#elif defined(__AVX2__)
+    __m256i acc[kChains];
+    const __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-2), ones = _mm256_set1_epi16(1);
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm256_set1_epi32(c);
+    for (int64_t i = 0; i < iters; ++i)
+      for (int c = 0; c < kChains; ++c) acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), ones));
+    for (int c = 1; c < kChains; ++c) acc[0] = _mm256_add_epi32(acc[0], acc[c]);
+    sink = _mm256_extract_epi32(acc[0], 0);
+    constexpr int lanes = 32;
+#else
+    constexpr int lanes = 0;
+#endif
+    asm volatile("" : : "r"(sink));
+    return 2.0 * lanes * kChains * iters;
+  });
+}
+
+// bytes read per second on all threads, each reading its share of `buf` (uint8, contiguous, whole 256s) 1 MB a
+// round, in turn (rounds of a few hundred microseconds run whole between other jobs; a share larger than the L3
+// comes back from memory)
+inline double probe_read(torch::Tensor buf, int64_t reps) {
+  TORCH_CHECK(buf.dtype() == torch::kUInt8 && buf.is_contiguous() && buf.numel() % 256 == 0, "buf must be uint8, whole 256s");
+  const uint8_t* p = buf.data_ptr<uint8_t>();
+  const int64_t n = buf.numel() / 256, threads = at::get_num_threads(), share = std::max<int64_t>(1, n / threads);
+  constexpr int64_t kChunk = 4096;  // blocks of 256 bytes: 1 MB
+  std::vector<int64_t> next(threads, 0);
+  return per_thread_rate(reps, [&](int64_t t) {
+    const int64_t lo = std::min(n, t * share + (next[t]++ * kChunk) % share), hi = std::min({n, lo + kChunk, (t + 1) * share});
+    int64_t sink = 0;
+#if defined(__AVX2__)
+    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int64_t i = lo; i < hi; ++i)
+      for (int c = 0; c < 8; ++c)
+        acc[c % 4] = _mm256_xor_si256(acc[c % 4], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256 * i + 32 * c)));
+    sink = _mm256_extract_epi64(_mm256_xor_si256(_mm256_xor_si256(acc[0], acc[1]), _mm256_xor_si256(acc[2], acc[3])), 0);
+#else
+    for (int64_t i = 256 * lo; i < 256 * hi; ++i) sink += p[i];
+#endif
+    asm volatile("" : : "r"(sink));
+    return 256.0 * (hi - lo);
+  });
+}
+
+}  // namespace deltaserve

@@ -1,0 +1,36 @@
+"""`deltaserve bench kernels`: the machine's peaks and the matmul kernels' rates beside them, through the CLI."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deltaserve.ops import fused
+
+pytestmark = pytest.mark.skipif(not fused.available(), reason="the C++ kernels did not build here")
+
+
+def test_probes_give_rates_this_cpu_can_reach():
+    """Above 1 GFLOP/s and below 64 float32 flops a cycle at 6 GHz a thread (a dropped loop reads as infinite)."""
+    ext = fused.extension()
+    ceiling = 64 * 6e9 * torch.get_num_threads()
+    assert 1e9 < ext.probe_fma(10_000, 5) < ceiling
+    assert 1e9 < ext.probe_int8(10_000, 5) < 8 * ceiling
+    assert 1e8 < ext.probe_read(torch.ones(1 << 20, dtype=torch.uint8), 3) < 1e13
+    with pytest.raises(RuntimeError, match="whole 256s"):
+        ext.probe_read(torch.ones(300, dtype=torch.uint8), 1)
+
+
+def test_bench_kernels_reports_rates_within_the_measured_peaks(tmp_path):
+    out = tmp_path / "k.json"
+    done = subprocess.run([sys.executable, "-m", "deltaserve", "bench", "kernels", "--threads", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "of peak" in done.stdout and "integer kernels:" in done.stdout
+    r = json.loads(out.read_text())
+    assert {k["format"] for k in r["kernels"]} == {"Q4_K", "Q5_K", "Q6_K", "F32"}
+    for k in r["kernels"]:
+        # a kernel never beats the machine: a rate well above its peak means the probe (or the count) is wrong
+        assert 0 < k["rate"] <= 1.25 * r["peaks"][k["peak"]], k
