@@ -36,6 +36,8 @@ class SpreadState:
         self.local, self.model, self._max_len, self.link = local, model, max_len, model.link
 
     lengths = property(lambda self: self.local.lengths)
+    k = property(lambda self: self.local.k)  # rank 0's caches: read_kv never returns views of them
+    v = property(lambda self: self.local.v)
     n_slots = property(lambda self: self.local.n_slots)
     max_len = property(lambda self: self._max_len)
 
@@ -79,7 +81,9 @@ class SpreadState:
             for r in range(1, self.model.world_size):
                 self.link.send(_pairs(conv[r], ssm[r]), r)
 
-    def read_kv(self, slot: int, start: int, end: int):
+    def read_kv(self, slot: int, start: int, end: int, copy: bool = True):
+        """Copies, whatever `copy` says: the other ranks' rows arrive as new tensors, and rank 0's are copied
+        so that no checkpoint holds a view of part of a layer."""
         k, v = self.local.read_kv(slot, start, end)
         with self.link.command("read_kv", slot, start, end):
             return self._gather(k, v, end - start, KV_AXIS, KV_AXIS)
