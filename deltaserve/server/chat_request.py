@@ -21,6 +21,9 @@ FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # OpenAI's rule, with the 
 # variables the server sets: a request's chat_template_kwargs may not replace them
 RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "pad_token"})
 TOOL_CHOICES = ("none", "auto", "required")
+# OpenAI's reasoning_effort: these models think or do not, so "none" and "minimal" switch thinking off
+# (enable_thinking: false, unless chat_template_kwargs says otherwise) and the others leave it on
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 @dataclass
@@ -38,6 +41,10 @@ def chat_inputs(body: ChatBody) -> ChatInputs:
     if bad := sorted(RESERVED & set(kwargs)):
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(bad)}: the request's own fields do",
                        "chat_template_kwargs")
+    if body.reasoning_effort is not None:
+        if body.reasoning_effort not in EFFORTS:
+            raise APIError(400, f"reasoning_effort must be one of {', '.join(EFFORTS)}", "reasoning_effort")
+        kwargs.setdefault("enable_thinking", body.reasoning_effort not in ("none", "minimal"))
     choice = _tool_choice(body.tool_choice, tools)
     messages = [_message(i, m) for i, m in enumerate(body.messages)]
     continuing = bool(body.continue_final_message)

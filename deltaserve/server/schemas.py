@@ -30,6 +30,8 @@ REFUSED = {
     "verbosity": ("the models served have no verbosity setting", None),
     "prompt_cache_retention": ("the prompt cache keeps entries by its own memory budget", None),
     "prompt_cache_options": ("the prompt cache keeps entries by its own memory budget", None),
+    "functions": ("deprecated by OpenAI: send tools", None),
+    "function_call": ("deprecated by OpenAI: send tool_choice", None),
 }
 
 
@@ -225,6 +227,9 @@ class ChatBody(_Body, _Refusing):
     verbosity: Any = None
     prompt_cache_retention: Any = None
     prompt_cache_options: Any = None
+    functions: Any = None
+    function_call: Any = None
+    reasoning_effort: str | None = None  # the models have thinking on or off, no levels: see chat_request
 
     # checked by chat_request: the template's inputs, and which tool calls the reply is read for
     tools: list[dict] | None = None

@@ -13,8 +13,7 @@ from openai.resources.completions import Completions
 HI = [{"role": "user", "content": "Hi"}]
 TRANSPORT = {"self", "extra_headers", "extra_query", "extra_body", "timeout"}  # the SDK's own, not sent as such
 # owned by the tool-call / reasoning / structured-output work: not refused here
-ELSEWHERE = {"tools", "tool_choice", "parallel_tool_calls", "response_format", "functions", "function_call",
-             "reasoning_effort"}
+ELSEWHERE = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}
 
 CHAT_WORKS = {
     "messages": {}, "model": {}, "frequency_penalty": {"frequency_penalty": 0.5},
@@ -26,12 +25,13 @@ CHAT_WORKS = {
     "temperature": {"temperature": 0.3}, "top_p": {"top_p": 0.5}, "user": {"user": "u-1"},
     "safety_identifier": {"safety_identifier": "s-1"}, "prompt_cache_key": {"prompt_cache_key": "conv-1"},
     "metadata": {"metadata": {"team": "a"}}, "store": {"store": False}, "service_tier": {"service_tier": "auto"},
-    "modalities": {"modalities": ["text"]},
+    "modalities": {"modalities": ["text"]}, "reasoning_effort": {"reasoning_effort": "low"},
 }
 CHAT_REFUSED = {
     "audio": {"voice": "alloy", "format": "wav"}, "prediction": {"type": "content", "content": "Hi"},
     "web_search_options": {}, "moderation": {"model": "omni-moderation-latest"}, "verbosity": "low",
     "prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": "30m"},
+    "functions": [{"name": "f", "parameters": {"type": "object"}}], "function_call": "auto",
 }
 CHAT_REFUSED_VALUES = [("store", True), ("service_tier", "flex"), ("modalities", ["text", "audio"])]
 
@@ -95,3 +95,15 @@ def test_completion_parameter_is_refused_by_name(client, name, value):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="tiny", prompt="Hi", max_tokens=2, **{name: value})
     assert info.value.body["param"] == name
+
+
+def test_reasoning_effort_none_switches_thinking_off_as_enable_thinking_false_does(client):
+    def prompt_tokens(**extra):
+        return client.chat.completions.create(model="tiny", messages=HI, max_tokens=1, **extra).usage.prompt_tokens
+
+    off = prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert prompt_tokens(reasoning_effort="none") == prompt_tokens(reasoning_effort="minimal") == off
+    assert prompt_tokens(reasoning_effort="high") == prompt_tokens() != off
+    with pytest.raises(openai.BadRequestError) as e:
+        prompt_tokens(reasoning_effort="extreme")
+    assert e.value.body["param"] == "reasoning_effort"
