@@ -75,10 +75,16 @@ def converse(url: str, turns: list[dict], max_tokens: int, history: list[dict] |
     """Run the turns against a server; returns (per-turn results, the history)."""
     history = list(history or [{"role": "system", "content": "You are a careful reader."}])
     results = []
-    with httpx.Client(base_url=url, timeout=3600) as http:
+    # a connection per turn: llama-server (cpp-httplib) closes a kept-alive connection after a few requests,
+    # and a turn sent on it just then fails with "server disconnected"
+    with httpx.Client(base_url=url, timeout=3600, limits=httpx.Limits(max_keepalive_connections=0)) as http:
         for t in turns:
-            if t["tool"] is not None:
-                history.append({"role": "tool", "content": t["tool"]})
+            if t["tool"] is not None:  # a call the assistant made and its result (an id ties them together)
+                call = f"call_{len(history)}"
+                history.append({"role": "assistant", "content": "", "tool_calls": [
+                    {"id": call, "type": "function",
+                     "function": {"name": "find_line", "arguments": json.dumps({"query": t["user"][:40]})}}]})
+                history.append({"role": "tool", "tool_call_id": call, "content": t["tool"]})
             history.append({"role": "user", "content": t["user"]})
             r = _turn(http, history, max_tokens)
             history.append({"role": "assistant", "content": r.pop("answer")})
