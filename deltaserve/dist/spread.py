@@ -12,6 +12,7 @@ prefix store, its budget and its choices are rank 0's alone. Each checkpoint cos
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
@@ -126,7 +127,7 @@ def _pairs(a: list, b: list) -> list[torch.Tensor]:
     return [t for x, y in zip(a, b) if x is not None for t in (x, y)]
 
 
-class SpreadModel(nn.Module):
+class SpreadModel(nn.Module, ABC):
     """Rank 0's stand-in for the whole model: new_state, forward's checks, and what the engine reads."""
 
     def __init__(self, inner: HybridModel, link: group.Link, world_size: int, config=None):
@@ -139,9 +140,9 @@ class SpreadModel(nn.Module):
         self.supports_snapshots = inner.supports_snapshots
         self.supports_training = False
 
+    @abstractmethod
     def held(self, rank: int) -> range:
         """The layers whose state (or a share of it) `rank` holds."""
-        raise NotImplementedError
 
     def shapes(self, rank: int, tokens: int | None = None):
         return state_shapes(self.inner, self.held(rank), self.recurrent, tokens)
@@ -153,9 +154,9 @@ class SpreadModel(nn.Module):
             pass
         return SpreadState(local, self, max_len)
 
+    @abstractmethod
     def local_state(self, n_slots: int, max_len: int) -> HybridState:
         """Rank 0's part of a new state."""
-        raise NotImplementedError
 
     def checked(self, input_ids, state, slots, logits: str):
         if not isinstance(state, SpreadState):
