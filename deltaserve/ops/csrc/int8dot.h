@@ -34,10 +34,14 @@ struct alignas(64) WBlock {
   float d, o;
 };
 
-// one row's 256 activations rounded to int8 (Q8_K): x ~ d * q; bs[i] = sum of q over elements 16i .. 16i + 15
+// one row's 256 activations rounded to int8 (Q8_K): x ~ d * q; bs[i] = sum of q over elements 16i .. 16i + 15,
+// bs32[i] over 32i .. 32i + 31. qp: q in the order of Q4_K / Q5_K codes as one 64-byte load of their nibbles
+// opens them (int8gemv.h): per 128 elements, quarters 0, 2 (the low nibbles), then 1, 3 (the high ones).
 struct alignas(64) XBlock {
   int8_t q[256];
+  int8_t qp[256];
   int16_t bs[16];
+  int16_t bs32[8];
   float d;
 };
 
@@ -83,20 +87,22 @@ inline void quantize_block(const float* x, XBlock& out) {
   }
 #endif
   out.d = a / 127.f;
+  for (int h = 0; h < 2; ++h)
+    for (int quarter = 0; quarter < 4; ++quarter)
+      std::memcpy(out.qp + 128 * h + 32 * quarter, out.q + 128 * h + 32 * ((quarter % 2) * 2 + quarter / 2), 32);
+  for (int i = 0; i < 8; ++i) out.bs32[i] = static_cast<int16_t>(out.bs[2 * i] + out.bs[2 * i + 1]);
 }
 
-// x [M, K] as XBlocks, rows in groups of kRows (fewer in the last), each group [K / 256][rows]: a group's rows
-// for one weight block lie together.
-inline std::vector<XBlock> quantize_rows(const float* x, int64_t M, int64_t K) {
+// x [M, K] as XBlocks into out [M * K / 256], rows in groups of kRows (fewer in the last), each group
+// [K / 256][rows]: a group's rows for one weight block lie together.
+inline void quantize_rows(const float* x, int64_t M, int64_t K, XBlock* out) {
   const int64_t nb = K / 256;
-  std::vector<XBlock> out(M * nb);
   at::parallel_for(0, M, 8, [&](int64_t lo, int64_t hi) {
     for (int64_t m = lo; m < hi; ++m) {
       const int64_t g = m / kRows * kRows, rows = std::min<int64_t>(kRows, M - g);
       for (int64_t b = 0; b < nb; ++b) quantize_block(x + m * K + 256 * b, out[g * nb + b * rows + m - g]);
     }
   });
-  return out;
 }
 
 // -- weight blocks ---------------------------------------------------------------------------------

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "int8dot.h"
+#include "int8gemv.h"
 
 namespace deltaserve {
 namespace kq {
@@ -107,8 +108,7 @@ inline void panel_group(int64_t mb, const Panel* p, const XBlock* x, int64_t nb,
 
 // y [M, N] = xq (quantize_rows of x [M, K]) @ W^T, threads over tiles of 16 weight rows, each opened into
 // panels once and run over every group of activation rows.
-inline void gemm_panels(const Segments& seg, const uint8_t* base, const std::vector<XBlock>& xq, int64_t M, int64_t K,
-                        float* y) {
+inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* xq, int64_t M, int64_t K, float* y) {
   const int64_t nb = K / 256, N = seg.rows;
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t lo, int64_t hi) {
     std::vector<WBlock> scratch(nb);
@@ -117,13 +117,13 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const std::vec
       const int64_t n0 = 16 * t, rows = std::min<int64_t>(16, N - n0);
       open_panels(seg, base, n0, rows, K, scratch.data(), panels.data());
       for (int64_t g = 0; g < M; g += kRows)
-        panel_group(std::min<int64_t>(kRows, M - g), panels.data(), xq.data() + g * nb, nb, y + g * N + n0, N, rows);
+        panel_group(std::min<int64_t>(kRows, M - g), panels.data(), xq + g * nb, nb, y + g * N + n0, N, rows);
     }
   });
 }
 #else
 constexpr bool kPanelGemm = false;
-inline void gemm_panels(const Segments&, const uint8_t*, const std::vector<XBlock>&, int64_t, int64_t, float*) {}
+inline void gemm_panels(const Segments&, const uint8_t*, const XBlock*, int64_t, int64_t, float*) {}
 #endif
 
 // which instructions the integer kernels of this build use (the benchmark prints it)
@@ -154,10 +154,17 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
   TORCH_CHECK(y.dtype() == torch::kFloat32 && y.is_contiguous() && y.size(0) == M && y.size(1) == N, "y must be float32 [M, N]");
   for (int64_t s = 0; s < seg.S; ++s)
     TORCH_CHECK(int8_type(seg.type(s)), "linear_int8: GGML type ", seg.type(s), " has no integer kernel");
-  const std::vector<XBlock> xq = quantize_rows(x.data_ptr<float>(), M, K);
+  // decode (a step makes ~70 of these calls) reuses its thread's buffer; a prefill's is its own, freed after
+  static thread_local std::vector<XBlock> decode_buf;
+  std::vector<XBlock> prefill_buf;
+  std::vector<XBlock>& xbuf = M <= kRows ? decode_buf : prefill_buf;
+  if (xbuf.size() < static_cast<size_t>(M * nb)) xbuf.resize(M * nb);
+  const XBlock* xq = xbuf.data();
+  quantize_rows(x.data_ptr<float>(), M, K, xbuf.data());
   const uint8_t* base = bytes.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   if (kPanelGemm && M > kRows) return gemm_panels(seg, base, xq, M, K, yp);
+  if (kDirectGemv && M <= kRows) return gemv_direct(seg, base, xq, M, K, yp);
   const int64_t tile = M <= kRows ? 1 : 16;  // one row: opened into L1 and used at once (decode)
   at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t lo, int64_t hi) {
     std::vector<WBlock> w(tile * nb);
@@ -171,7 +178,7 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
         const int64_t mb = std::min<int64_t>(kRows, M - g);
         for (int64_t r = 0; r < rows; ++r) {
           float sums[kRows];
-          dot_group(mb, w.data() + r * nb, xq.data() + g * nb, nb, sums);
+          dot_group(mb, w.data() + r * nb, xq + g * nb, nb, sums);
           for (int64_t m = 0; m < mb; ++m) yp[(g + m) * N + n0 + r] = sums[m];
         }
       }
