@@ -62,12 +62,13 @@ def peaks() -> dict:
 
 
 def _matrix(qtype: Q, N: int, K: int, seed: int = 0) -> torch.Tensor:
-    """A packed [N, K] matrix of random codes with small finite scales."""
+    """A packed [N, K] matrix of random codes with small finite scales, held as a model holds it (row panels
+    where the kernels read those)."""
     block, size = GGML_QUANT_SIZES[qtype]
     raw = np.random.default_rng(seed).integers(0, 256, size=(N * K // block, size), dtype=np.uint8)
     for at in _SCALES[qtype]:
         raw[:, at:at + 2] = np.full(raw.shape[0], 0.01, dtype=np.float16).view(np.uint8).reshape(-1, 2)
-    return packed.parameter(torch.from_numpy(raw.reshape(-1)), packed.Packing(((qtype, N),), (N, K)))
+    return packed.to_panels(packed.parameter(torch.from_numpy(raw.reshape(-1)), packed.Packing(((qtype, N),), (N, K))))
 
 
 def kernel_rates() -> list[dict]:

@@ -54,26 +54,33 @@ def run(x, w):
     return y
 
 
-# 8 activation rows a pass over a weight row (4 in the AVX2 build), weight rows in tiles of 16 above that
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 40], ids=lambda r: f"rows{r}")
+PANELS = [pytest.param(False, id="file-rows"), pytest.param(True, id="panels")]
+
+
+# decode (up to 8 activation rows; 4 in the AVX2 build): rows at a time, or 16-row panels 4 activation rows a pass
+# with the last out_rows % 16 rows at a time; above, weight rows in tiles of 16
+@pytest.mark.parametrize("panels", PANELS)
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 17, 40], ids=lambda r: f"rows{r}")
 @pytest.mark.parametrize("out_rows", [1, 37], ids=lambda n: f"out{n}")
 @pytest.mark.parametrize("qtype", INT8, ids=lambda t: t.name)
-def test_kernel_matches_q8k_reference(qtype, out_rows, rows):
+def test_kernel_matches_q8k_reference(qtype, out_rows, rows, panels):
     K = 768  # three blocks
-    w, ref = packed_matrix([(qtype, out_rows)], K, seed=rows + out_rows)
+    w, ref = packed_matrix([(qtype, out_rows)], K, seed=rows + out_rows, panels=panels)
     x = torch.randn(rows, K) * torch.rand(rows, 1) * 4
     assert_int8_matmul(run(x, w), x, ref)
 
 
-def test_mixed_types_zero_rows_and_outliers():
+@pytest.mark.parametrize("panels", PANELS)
+@pytest.mark.parametrize("rows", [1, 6, 11], ids=lambda r: f"rows{r}")
+def test_mixed_types_zero_rows_and_outliers(rows, panels):
     """A projection mixing the three types (llama.cpp's Q4_K_M keeps parts in Q6_K), rows of x that are zero
     (scale 0) and one with an outlier that takes all of its block's range."""
     K = 512
-    w, ref = packed_matrix([(Q.Q6_K, 5), (Q.Q4_K, 19), (Q.Q5_K, 3), (Q.Q6_K, 9)], K, seed=7)
-    x = torch.randn(11, K)
-    x[2] = 0
-    x[5, :256] = 0
-    x[7, 100] = 1e4
+    w, ref = packed_matrix([(Q.Q6_K, 21), (Q.Q4_K, 35), (Q.Q5_K, 19), (Q.Q6_K, 9)], K, seed=7, panels=panels)
+    x = torch.randn(rows, K)
+    x[min(2, rows - 1)] = 0
+    x[-1, :256] = 0
+    x[rows // 2, 100] = 1e4
     assert_int8_matmul(run(x, w), x, ref)
 
 

@@ -35,7 +35,7 @@ inline void open_panels(const Segments& seg, const uint8_t* base, int64_t n0, in
   std::memset(static_cast<void*>(p), 0, sizeof(Panel) * nb);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t s = seg.find(n0 + r);
-    open_row(seg.type(s), seg.row(base, s, n0 + r, K), nb, scratch);
+    open_row(seg.type(s), native_row(seg, base, s, n0 + r, K, row_scratch(K)), nb, scratch);
     for (int64_t b = 0; b < nb; ++b) {
       const WBlock& w = scratch[b];
       for (int c = 0; c < 64; ++c) std::memcpy(p[b].q[c][r], w.q + 4 * c, 4);
@@ -172,7 +172,7 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
       const int64_t n0 = t * tile, rows = std::min(tile, N - n0);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t s = seg.find(n0 + r);
-        open_row(seg.type(s), seg.row(base, s, n0 + r, K), nb, w.data() + r * nb);
+        open_row(seg.type(s), native_row(seg, base, s, n0 + r, K, row_scratch(K)), nb, w.data() + r * nb);
       }
       for (int64_t g = 0; g < M; g += kRows) {
         const int64_t mb = std::min<int64_t>(kRows, M - g);

@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "int8dot.h"
+#include "panels.h"
 
 namespace deltaserve {
 namespace kq {
@@ -177,18 +178,209 @@ inline RowKernel row_kernel(int64_t type, int64_t mb) {
   }
 }
 
-// y [M, N] = xq (quantize_rows of x [M, K], M <= kRows) @ W^T
+// -- row panels (panels.h): 16 rows a pass, one int32 lane per row --------------------------------------------
+
+// acc += codes (u8, 16 rows x 4) . the 4 int8 at p, broadcast by vpdpbusd's memory operand (a separate broadcast
+// would take a shuffle slot per instruction)
+inline __m512i dot4(__m512i acc, __m512i codes, const int8_t* p) {
+#if defined(__AVX512VNNI__)
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+#else
+  int32_t four;
+  std::memcpy(&four, p, 4);
+  const __m512i pairs = _mm512_maddubs_epi16(codes, _mm512_set1_epi32(four));
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+#endif
+}
+
+inline __m512i dot_pairs(__m512i acc, __m512i a, __m512i b) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+constexpr int64_t kPanelPrefetch = 8192;
+
+inline void prefetch_span(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kPanelPrefetch + o, _MM_HINT_T0);
+}
+
+// per dword (a row): bytes (k, 0, k + 1, 0) of its own 4, k = 0 or 2: two u8 scales as an int16 pair
+inline __m512i scale_pairs(__m512i bytes, int k) {
+  auto ctl = [k](int t) { return (4 * t + k) | 0x80 << 8 | (4 * t + k + 1) << 16 | 0x80 << 24; };  // in-lane byte indices
+  return _mm512_shuffle_epi8(bytes, _mm512_setr_epi32(ctl(0), ctl(1), ctl(2), ctl(3), ctl(0), ctl(1), ctl(2), ctl(3),
+                                                      ctl(0), ctl(1), ctl(2), ctl(3), ctl(0), ctl(1), ctl(2), ctl(3)));
+}
+
+// out[m * 16 + r] = (row r of a Q4_K / Q5_K panel) . (activation row m), x[b * xs + m]
+template <int MB, bool Q5>
+inline void panel_k4(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t xs, float* out) {
+  constexpr int64_t kBlock = Q5 ? 2816 : 2304, kScales = Q5 ? 2560 : 2048;
+  const __m512i m4 = _mm512_set1_epi8(0xF), m6 = _mm512_set1_epi8(0x3F), m30 = _mm512_set1_epi8(0x30), bit4 = _mm512_set1_epi8(0x10);
+  const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = panel + b * kBlock;
+    prefetch_span(p, kBlock);
+    // get_scale_min_k4 for 16 rows at once, on the scale words u0, u1, u2 (a dword per row)
+    const __m512i u0 = _mm512_loadu_si512(p + kScales), u1 = _mm512_loadu_si512(p + kScales + 64), u2 = _mm512_loadu_si512(p + kScales + 128);
+    const __m512i sc03 = _mm512_and_si512(u0, m6), mn03 = _mm512_and_si512(u1, m6);
+    const __m512i sc47 = _mm512_ternarylogic_epi32(u2, m4, _mm512_and_si512(_mm512_srli_epi32(u0, 2), m30), 0xEA);
+    const __m512i mn47 = _mm512_ternarylogic_epi32(_mm512_srli_epi32(u2, 4), m4, _mm512_and_si512(_mm512_srli_epi32(u1, 2), m30), 0xEA);
+    __m512i blk[MB], mins[MB];
+    for (int m = 0; m < MB; ++m) blk[m] = mins[m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {  // 64 elements: sub-blocks 2j (low nibbles), 2j + 1 (high)
+      const __m512i sc = scale_pairs(j < 2 ? sc03 : sc47, 2 * (j % 2)), mn = scale_pairs(j < 2 ? mn03 : mn47, 2 * (j % 2));
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {  // 16 elements of each: sums below 2^15, packed in pairs
+        __m512i lo_sum[MB], hi_sum[MB];
+        for (int m = 0; m < MB; ++m) lo_sum[m] = hi_sum[m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int l = 0; l < 4; ++l) {
+          const int l4 = 4 * half + l;
+          const __m512i v = _mm512_loadu_si512(p + (j * 8 + l4) * 64);
+          __m512i lo, hi;
+          if constexpr (Q5) {  // bit 2j (2j + 1) of the high bits to bit 4
+            const __m512i h = _mm512_loadu_si512(p + 2048 + l4 * 64);
+            const __m512i hl = 2 * j <= 4 ? _mm512_slli_epi16(h, 4 - 2 * j) : _mm512_srli_epi16(h, 2 * j - 4);
+            const __m512i hh = 2 * j + 1 <= 4 ? _mm512_slli_epi16(h, 3 - 2 * j) : _mm512_srli_epi16(h, 2 * j - 3);
+            lo = _mm512_ternarylogic_epi32(v, m4, _mm512_and_si512(hl, bit4), 0xEA);
+            hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), m4, _mm512_and_si512(hh, bit4), 0xEA);
+          } else {
+            lo = _mm512_and_si512(v, m4);
+            hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+          }
+#pragma GCC unroll 4
+          for (int m = 0; m < MB; ++m) {
+            lo_sum[m] = dot4(lo_sum[m], lo, x[b * xs + m].q + 64 * j + 4 * l4);
+            hi_sum[m] = dot4(hi_sum[m], hi, x[b * xs + m].q + 64 * j + 32 + 4 * l4);
+          }
+        }
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; ++m)  // (lo, hi) int16 pairs times (scale 2j, scale 2j + 1)
+          blk[m] = dot_pairs(blk[m], _mm512_ternarylogic_epi32(lo_sum[m], low16, _mm512_slli_epi32(hi_sum[m], 16), 0xEA), sc);
+      }
+#pragma GCC unroll 4
+      for (int m = 0; m < MB; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, x[b * xs + m].bs32 + 2 * j, 4);
+        mins[m] = dot_pairs(mins[m], mn, _mm512_set1_epi32(pair));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kScales + 192)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kScales + 224)));
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xd = _mm512_set1_ps(x[b * xs + m].d);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(blk[m]), _mm512_mul_ps(d, xd), acc[m]);
+      acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[m]), _mm512_mul_ps(dmin, xd), acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
+}
+
+// the same for a Q6_K panel: codes (value + 32) per 16 elements summed, less 32 x the activations' sum, times the
+// row's int8 scale (vpmulld: 16-element sums of 6-bit codes pass 2^15)
+template <int MB>
+inline void panel_q6k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t xs, float* out) {
+  const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = panel + b * 3328;
+    prefetch_span(p, 3328);
+    __m512i ai[MB];
+    for (int m = 0; m < MB; ++m) ai[m] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int n = 0; n < 2; ++n) {
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        __m512i sum[MB][4];
+        for (int m = 0; m < MB; ++m)
+          for (int q = 0; q < 4; ++q) sum[m][q] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int l = 0; l < 4; ++l) {
+          const int l4 = 4 * half + l;
+          const __m512i a = _mm512_loadu_si512(p + ((n * 2) * 8 + l4) * 64), c = _mm512_loadu_si512(p + ((n * 2 + 1) * 8 + l4) * 64);
+          const __m512i h = _mm512_loadu_si512(p + 2048 + (n * 8 + l4) * 64);
+          // quarter q of the half: a nibble of a (q even) or c (odd), high bits 2q, 2q + 1 of h at bits 4, 5
+          __m512i codes[4];
+          codes[0] = _mm512_ternarylogic_epi32(a, m4, _mm512_and_si512(_mm512_slli_epi16(h, 4), m30), 0xEA);
+          codes[1] = _mm512_ternarylogic_epi32(c, m4, _mm512_and_si512(_mm512_slli_epi16(h, 2), m30), 0xEA);
+          codes[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(a, 4), m4, _mm512_and_si512(h, m30), 0xEA);
+          codes[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(c, 4), m4, _mm512_and_si512(_mm512_srli_epi16(h, 2), m30), 0xEA);
+#pragma GCC unroll 4
+          for (int m = 0; m < MB; ++m)
+            for (int q = 0; q < 4; ++q) sum[m][q] = dot4(sum[m][q], codes[q], x[b * xs + m].q + 128 * n + 32 * q + 4 * l4);
+        }
+        for (int q = 0; q < 4; ++q) {
+          const int g = 8 * n + 2 * q + half;  // the 16 elements' scale
+          const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3072 + 16 * g)));
+#pragma GCC unroll 4
+          for (int m = 0; m < MB; ++m) {
+            const __m512i centred = _mm512_sub_epi32(sum[m][q], _mm512_set1_epi32(32 * x[b * xs + m].bs[g]));
+            ai[m] = _mm512_add_epi32(ai[m], _mm512_mullo_epi32(centred, sc));
+          }
+        }
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + nb * 3328 + 32 * b)));
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[m]), _mm512_mul_ps(d, _mm512_set1_ps(x[b * xs + m].d)), acc[m]);
+  }
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
+}
+
+using PanelKernel = void (*)(const uint8_t*, int64_t, const XBlock*, int64_t, float*);
+
+template <int MB>
+inline PanelKernel panel_kernel_mb(int64_t type) {
+  switch (type) {
+    case Q4_K: return panel_k4<MB, false>;
+    case Q5_K: return panel_k4<MB, true>;
+    case Q6_K: return panel_q6k<MB>;
+  }
+  return nullptr;
+}
+
+// activation rows are taken 4 at a time (more would spill the accumulators)
+inline PanelKernel panel_kernel(int64_t type, int64_t mb) {
+  switch (mb) {
+    case 1: return panel_kernel_mb<1>(type);
+    case 2: return panel_kernel_mb<2>(type);
+    case 3: return panel_kernel_mb<3>(type);
+    default: return panel_kernel_mb<4>(type);
+  }
+}
+
+// y [M, N] = xq (quantize_rows of x [M, K], M <= kRows) @ W^T. Threads take contiguous runs of rows (a panel goes
+// to the thread whose run holds its first row); panels of 16 rows through the panel kernels, native rows through
+// the row kernels.
 inline void gemv_direct(const Segments& seg, const uint8_t* base, const XBlock* xq, int64_t M, int64_t K, float* y) {
   const int64_t nb = K / 256, N = seg.rows;
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (nb * 144));  // a thread's share of at least ~64 KB
+  const int64_t grain = std::max<int64_t>(16, (64 << 10) / (nb * 144) / 16 * 16);  // a share of at least ~64 KB
   at::parallel_for(0, N, grain, [&](int64_t lo, int64_t hi) {
-    for (int64_t s = seg.find(lo); s < seg.S && seg.t[4 * s + 1] < hi; ++s) {
-      const RowKernel f = row_kernel(seg.type(s), M);
-      const int64_t end = std::min(hi, seg.t[4 * s + 2]), bytes = nb * layout(seg.type(s)).bytes;
-      const uint8_t* row = seg.row(base, s, std::max(lo, seg.t[4 * s + 1]), K);
-      for (int64_t n = std::max(lo, seg.t[4 * s + 1]); n < end; ++n, row += bytes) {
+    for (int64_t s = seg.find(lo); s < seg.S && seg.first(s) < hi; ++s) {
+      const int64_t type = seg.type(s), first = seg.first(s), pend = first + seg.panel_rows(s), end = std::min(hi, seg.end(s));
+      for (int64_t n = first + (std::max(lo, first) - first + kPanel - 1) / kPanel * kPanel; n < std::min(hi, pend); n += kPanel) {
+        const uint8_t* panel = seg.row(base, s, n, K);
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          const int64_t mb = std::min<int64_t>(4, M - m0);
+          alignas(64) float out[4 * kPanel];
+          panel_kernel(type, mb)(panel, nb, xq + m0, M, out);
+          for (int64_t m = 0; m < mb; ++m) std::memcpy(y + (m0 + m) * N + n, out + m * kPanel, kPanel * sizeof(float));
+        }
+      }
+      const RowKernel f = row_kernel(type, M);
+      for (int64_t n = std::max(lo, pend); n < end; ++n) {
         float sums[kRows];
-        f(row, nb, xq, sums);
+        f(seg.row(base, s, n, K), nb, xq, sums);
         for (int64_t m = 0; m < M; ++m) y[m * N + n] = sums[m];
       }
     }

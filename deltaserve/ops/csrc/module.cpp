@@ -1,7 +1,7 @@
 // deltaserve's CPU kernels, built by ops/fused.py as one translation unit from the headers beside this file:
 // delta_rule.h (the fused gated delta rule), conv.h, layers.h (norms, SwiGLU, attention step), gemv.h,
 // kquants.h (packed GGML blocks: decoders, rows to float32) and kquants_avx512.h, packed.h (decode GEMV and rows to float32 on them),
-// int8dot.h and int8gemm.h (integer dot products of K-quant blocks with activations rounded to int8), probe.h (peaks),
+// int8dot.h, int8gemv.h, int8gemm.h and panels.h (integer dot products of K-quant blocks with activations rounded to int8), probe.h (peaks),
 // attention.h (tiled attention over the KV cache for long spans).
 #include "attention.h"
 #include "conv.h"
@@ -11,6 +11,7 @@
 #include "kquants.h"
 #include "layers.h"
 #include "packed.h"
+#include "panels.h"
 #include "probe.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -26,6 +27,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_packed", &deltaserve::kq::linear_packed, "float32 activations times packed GGML blocks (CPU)");
   m.def("linear_int8", &deltaserve::kq::linear_int8, "activations rounded to int8 per 256 times K-quant blocks (CPU)");
   m.def("int8_isa", &deltaserve::kq::int8_isa, "the instructions of the integer kernels in this build");
+  m.def("int8_panels", [] { return deltaserve::kq::kDirectGemv ? deltaserve::kq::kPanel : int64_t{0}; },
+        "rows per panel the integer kernels read K-quant matrices in (0: rows as the file holds them)");
+  m.def("to_panels", &deltaserve::kq::to_panels, "a packed matrix's K-quant rows rearranged into panels, in place");
   m.def("probe_fma", &deltaserve::probe_fma, "float32 FMAs per second, all threads (iters, reps)");
   m.def("probe_int8", &deltaserve::probe_int8, "int8 products per second, all threads (iters, reps)");
   m.def("probe_read", &deltaserve::probe_read, "bytes read per second, all threads (buf, reps)");
