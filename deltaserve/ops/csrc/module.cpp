@@ -1,13 +1,14 @@
 // deltaserve's CPU kernels, built by ops/fused.py as one translation unit from the headers beside this file:
 // delta_rule.h (the fused gated delta rule), conv.h, layers.h (norms, SwiGLU, attention step), gemv.h,
 // kquants.h (packed GGML blocks: decoders, rows to float32) and kquants_avx512.h, packed.h (decode GEMV and rows to float32 on them),
-// int8dot.h, int8gemv.h, int8gemm.h and panels.h (integer dot products of K-quant blocks with activations rounded to int8), probe.h (peaks),
+// int8dot.h, int8gemv.h, int8gemm.h and panels.h (integer dot products of K-quant blocks; int8q8.h of Q8_0 ones with activations rounded to int8), probe.h (peaks),
 // attention.h (tiled attention over the KV cache for long spans).
 #include "attention.h"
 #include "conv.h"
 #include "delta_rule.h"
 #include "gemv.h"
 #include "int8gemm.h"
+#include "int8q8.h"
 #include "kquants.h"
 #include "layers.h"
 #include "packed.h"
@@ -24,6 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_step", &deltaserve::attention_step, "a decode step of gated attention (CPU, float32)");
   m.def("silu_mul", &deltaserve::silu_mul, "silu(x[:, :I]) * x[:, I:] (CPU, float32)");
   m.def("linear_q8", &deltaserve::linear_q8, "float32 activations times Q8_0 weights (CPU)");
+  m.def("linear_q8_int8", &deltaserve::q8::linear_q8_int8, "activations rounded per 32 to Q8_0 times Q8_0 weights (CPU)");
+  m.def("q8_int8", [] { return deltaserve::q8::kQ8Int8; }, "whether this build has the Q8_0 integer kernels");
   m.def("linear_packed", &deltaserve::kq::linear_packed, "float32 activations times packed GGML blocks (CPU)");
   m.def("linear_int8", &deltaserve::kq::linear_int8, "activations rounded to int8 per 256 times K-quant blocks (CPU)");
   m.def("int8_isa", &deltaserve::kq::int8_isa, "the instructions of the integer kernels in this build");
