@@ -87,11 +87,37 @@ def kernel_rates() -> list[dict]:
         t = _best(lambda: ext.linear_int8(xs, w, w.packing.table, ys))
         rows.append(dict(kernel="linear_int8 prefill", format=qtype.name, shape=f"{M}x{N}x{_HIDDEN}", seconds=t,
                          rate=2 * M * N * _HIDDEN / t / 1e9, unit="GOP/s", peak="int8_gops"))
+    if ext.q8_int8():
+        rows += _q8_rates(ext, M, N)
     a, b = torch.randn(M, _HIDDEN), torch.randn(N, _HIDDEN)
     t = _best(lambda: torch.mm(a, b.T))
     rows.append(dict(kernel="torch.mm prefill", format="F32", shape=f"{M}x{N}x{_HIDDEN}", seconds=t,
                      rate=2 * M * N * _HIDDEN / t / 1e9, unit="GFLOP/s", peak="fma_gflops"))
     return rows
+
+
+def _q8_matrix(N: int, K: int, seed: int = 0) -> torch.Tensor:
+    """A Q8_0 [N, K] weight (int8 + float16 scales, as layers.quantize_q8 keeps a Q8_0 file's) of random codes."""
+    rng = np.random.default_rng(seed)
+    w = torch.from_numpy(rng.integers(-127, 128, size=(N, K), dtype=np.int8))
+    w.scale = torch.full((N, K // 32), 0.01, dtype=torch.float16)
+    return w
+
+
+def _q8_rates(ext, M: int, N: int) -> list[dict]:
+    """The Q8_0 integer kernels at the same shapes as the K-quants'."""
+    mats = [_q8_matrix(_ROWS, _HIDDEN, seed=i) for i in range(max(1, (128 << 20) // (_ROWS * _HIDDEN)))]
+    x, y = torch.randn(1, _HIDDEN), torch.empty(1, _ROWS)
+    t = _fastest_of([lambda w=w: ext.linear_q8_int8(x, w, w.scale, y) for w in mats * 3])
+    nbytes = mats[0].numel() * 34 // 32
+    out = [dict(kernel="linear_q8_int8 decode", format="Q8_0", shape=f"1x{_ROWS}x{_HIDDEN}", seconds=t,
+                rate=nbytes / t / 1e9, unit="GB/s", peak="read_gbps")]
+    w = _q8_matrix(N, _HIDDEN)
+    xs, ys = torch.randn(M, _HIDDEN), torch.empty(M, N)
+    t = _best(lambda: ext.linear_q8_int8(xs, w, w.scale, ys))
+    out.append(dict(kernel="linear_q8_int8 prefill", format="Q8_0", shape=f"{M}x{N}x{_HIDDEN}", seconds=t,
+                    rate=2 * M * N * _HIDDEN / t / 1e9, unit="GOP/s", peak="int8_gops"))
+    return out
 
 
 def report(threads: int) -> dict:

@@ -45,24 +45,40 @@ struct Q8Acts {
     q.resize(M * K), d.resize(M * nb), dl.resize(M * nb * 8), start.resize(M * nb), starts.resize(M * nb * 8);
     at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
       for (int64_t m = lo; m < hi; ++m)
-        for (int64_t k = 0; k < nb; ++k) {
-          const float* xb = x + m * K + 32 * k;
-          float amax = 0.f;
-          for (int e = 0; e < 32; ++e) amax = std::max(amax, std::fabs(xb[e]));
-          const float dk = amax / 127.f, id = dk != 0.f ? 1.f / dk : 0.f;
-          int sum = 0;
-          for (int l = 0; l < 8; ++l) {
-            int four = 0;
-            for (int e = 4 * l; e < 4 * l + 4; ++e) four += q[m * K + 32 * k + e] = static_cast<int8_t>(std::nearbyint(xb[e] * id));
-            starts[(m * nb + k) * 8 + l] = -128 * four;
-            sum += four;
-          }
-          const float dh = static_cast<float>(c10::Half(dk));  // llama.cpp keeps the activations' d as float16
-          d[m * nb + k] = dh;
-          start[m * nb + k] = -128 * sum;
-          for (int l = 0; l < 8; ++l) dl[(m * nb + k) * 8 + l] = dh;
-        }
+        for (int64_t k = 0; k < nb; ++k) block(x + m * K + 32 * k, m * nb + k, q.data() + m * K + 32 * k);
     });
+  }
+
+  void block(const float* xb, int64_t at, int8_t* qb) {
+    int32_t four[8];
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float dk = amax / 127.f, id = dk != 0.f ? 1.f / dk : 0.f;
+    const __m512 is = _mm512_set1_ps(id);  // products rounded to nearest, ties to even (std::nearbyint's)
+    const __m128i q0 = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, is)));
+    const __m128i q1 = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, is)));
+    const __m256i q32 = _mm256_set_m128i(q1, q0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), q32);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(four), _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), q32));
+#else
+    float amax = 0.f;
+    for (int e = 0; e < 32; ++e) amax = std::max(amax, std::fabs(xb[e]));
+    const float dk = amax / 127.f, id = dk != 0.f ? 1.f / dk : 0.f;
+    for (int l = 0; l < 8; ++l) {
+      four[l] = 0;
+      for (int e = 4 * l; e < 4 * l + 4; ++e) four[l] += qb[e] = static_cast<int8_t>(std::nearbyint(xb[e] * id));
+    }
+#endif
+    int sum = 0;
+    for (int l = 0; l < 8; ++l) {
+      starts[at * 8 + l] = -128 * four[l];
+      sum += four[l];
+    }
+    const float dh = static_cast<float>(c10::Half(dk));  // llama.cpp keeps the activations' d as float16
+    d[at] = dh;
+    start[at] = -128 * sum;
+    for (int l = 0; l < 8; ++l) dl[at * 8 + l] = dh;
   }
 };
 #pragma GCC pop_options
@@ -125,13 +141,17 @@ struct Q8Tile {
 
   void open(const int8_t* w, const at::Half* ws, int64_t rows, int64_t K) {
     const int64_t nb = K / 32;
-    q.assign(K * 16, 0x80);  // rows past the end: code 0 after the flip
+    q.resize(K * 16);
     dw.assign(nb * 16, 0.f);
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t c = 0; c < K / 4; ++c)
-        for (int t = 0; t < 4; ++t) q[(c * 16 + r) * 4 + t] = static_cast<uint8_t>(w[r * K + 4 * c + t]) ^ 0x80;
+    // row r's dword c at w + r K + 4c (rows past the end: row 0 again, their lanes never stored)
+    const __m512i at = _mm512_mullo_epi32(_mm512_maskz_mov_epi32(static_cast<__mmask16>((1u << rows) - 1),
+                                                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+                                          _mm512_set1_epi32(static_cast<int32_t>(K)));
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t c = 0; c < K / 4; ++c)
+      _mm512_storeu_si512(q.data() + 64 * c, _mm512_xor_si512(_mm512_i32gather_epi32(at, w + 4 * c, 1), flip));
+    for (int64_t r = 0; r < rows; ++r)
       for (int64_t k = 0; k < nb; ++k) dw[k * 16 + r] = static_cast<float>(ws[r * nb + k]);
-    }
   }
 };
 
