@@ -23,8 +23,8 @@ from deltaserve.models.weights import IDENTITY, Cat, Leaf, Layout
 from deltaserve.ops import fused
 
 TYPES = frozenset({Q.Q4_0, Q.IQ4_NL, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})  # those the kernels read (kquants.h)
-INT8_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})  # those with integer dot-product kernels (int8dot.h)
-# Matrices all of INT8_TYPES multiply activations rounded to int8 per 256 (llama.cpp's Q8_K), as llama.cpp does on
+INT8_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})  # with integer dot-product kernels in every build (int8dot.h)
+# Matrices all of int8_types() multiply activations rounded to int8 per 256 (llama.cpp's Q8_K), as llama.cpp does on
 # these files: its speed, and its rounding. False: float32 activations times the exact weights (slower).
 INT8_ACTIVATIONS = True
 PANEL_ROWS = 16  # rows per panel (ops/csrc/panels.h)
@@ -48,7 +48,7 @@ class Packing:
     def __post_init__(self):
         rows, offset, table = 0, 0, []
         for qtype, n in self.segments:
-            table.append((int(qtype), rows, rows + n, offset, PANEL_ROWS if self.panels and qtype in INT8_TYPES else 0))
+            table.append((int(qtype), rows, rows + n, offset, PANEL_ROWS if self.panels and qtype in int8_types() else 0))
             rows, offset = rows + n, offset + n * row_bytes(qtype, self.shape[-1])
         object.__setattr__(self, "table", torch.tensor(table, dtype=torch.int64).view(-1, 5))
 
@@ -79,6 +79,15 @@ def parameter(data: torch.Tensor, packing: Packing) -> nn.Parameter:
     return p
 
 
+@functools.cache
+def int8_types() -> frozenset:
+    """The types with integer kernels in this machine's build: INT8_TYPES, and IQ4_XS where vpdpbusd takes its
+    codes (AVX-512 VNNI)."""
+    if not fused.available():
+        return INT8_TYPES
+    return frozenset(Q(t) for t in fused.extension().int8_types())
+
+
 def panels_here() -> bool:
     """Whether this machine's integer kernels read K-quant matrices in row panels (AVX-512 builds)."""
     return fused.available() and fused.extension().int8_panels() == PANEL_ROWS
@@ -88,7 +97,7 @@ def to_panels(w: torch.Tensor) -> torch.Tensor:
     """Packed parameter w with its K-quant rows moved into row panels, in place (its bytes and nothing else), where
     this machine's kernels read them so; w unchanged otherwise."""
     pk = w.packing
-    if pk.panels or not panels_here() or not any(qtype in INT8_TYPES for qtype, _ in pk.segments):
+    if pk.panels or not panels_here() or not any(qtype in int8_types() for qtype, _ in pk.segments):
         return w
     out = parameter(w.data, Packing(pk.segments, pk.shape, pk.x_index, panels=True))
     for matrix in out.data.view(-1, pk.nbytes):  # one matrix at a time (stacked experts)
@@ -166,7 +175,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 def uses_int8(w: torch.Tensor) -> bool:
     """Whether linear() multiplies packed matrix w by activations rounded to int8 (see INT8_ACTIVATIONS)."""
-    return INT8_ACTIVATIONS and all(qtype in INT8_TYPES for qtype, _ in w.packing.segments)
+    return INT8_ACTIVATIONS and all(qtype in int8_types() for qtype, _ in w.packing.segments)
 
 
 def _blocked_gemm(xr: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

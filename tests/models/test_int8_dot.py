@@ -21,7 +21,7 @@ from tests.models.test_packed_weights import assert_matmul, packed_matrix
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="the C++ kernels did not build here")
 
-INT8 = sorted(packed.INT8_TYPES)
+INT8 = sorted(packed.int8_types())  # the K-quants, and IQ4_XS where the build has AVX-512 VNNI
 
 
 def q8k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +76,8 @@ def test_mixed_types_zero_rows_and_outliers(rows, panels):
     """A projection mixing the three types (llama.cpp's Q4_K_M keeps parts in Q6_K), rows of x that are zero
     (scale 0) and one with an outlier that takes all of its block's range."""
     K = 512
-    w, ref = packed_matrix([(Q.Q6_K, 21), (Q.Q4_K, 35), (Q.Q5_K, 19), (Q.Q6_K, 9)], K, seed=7, panels=panels)
+    segments = [(Q.Q6_K, 21), (Q.Q4_K, 35), (Q.Q5_K, 19), (Q.Q6_K, 9)] + [(Q.IQ4_XS, 18)] * (Q.IQ4_XS in INT8)
+    w, ref = packed_matrix(segments, K, seed=7, panels=panels)
     x = torch.randn(rows, K)
     x[min(2, rows - 1)] = 0
     x[-1, :256] = 0
@@ -87,7 +88,7 @@ def test_mixed_types_zero_rows_and_outliers(rows, panels):
 def test_linear_takes_the_integer_kernels_and_can_be_told_not_to(monkeypatch):
     """packed.linear: K-quant matrices through the integer kernels (bf16 activations too, held column order);
     INT8_ACTIVATIONS = False gives the float32 product of the exact weights; a matrix with a type the integer
-    kernels lack (IQ4_XS) stays on the float kernels."""
+    kernels lack (IQ4_NL) stays on the float kernels."""
     K = 512
     order = torch.randperm(K, generator=torch.Generator().manual_seed(1))
     w, ref = packed_matrix([(Q.Q4_K, 21), (Q.Q6_K, 6)], K, seed=3, x_index=order)
@@ -101,13 +102,13 @@ def test_linear_takes_the_integer_kernels_and_can_be_told_not_to(monkeypatch):
     monkeypatch.setattr(packed, "INT8_ACTIVATIONS", False)
     assert_matmul(linear(x, w), x[..., order], ref[:, order])
     monkeypatch.setattr(packed, "INT8_ACTIVATIONS", True)
-    w2, ref2 = packed_matrix([(Q.Q4_K, 4), (Q.IQ4_XS, 3)], K, seed=4)
+    w2, ref2 = packed_matrix([(Q.Q4_K, 4), (Q.IQ4_NL, 3)], K, seed=4)
     assert_matmul(linear(x, w2), x, ref2)
 
 
 def test_bad_calls_are_named():
-    w, _ = packed_matrix([(Q.IQ4_XS, 3)], 256, seed=1)
-    with pytest.raises(RuntimeError, match="type 23 has no integer kernel"):
+    w, _ = packed_matrix([(Q.Q4_0, 3)], 256, seed=1)
+    with pytest.raises(RuntimeError, match="type 2 has no integer kernel"):
         run(torch.randn(2, 256), w)
     w, _ = packed_matrix([(Q.Q4_K, 3)], 256, seed=1)
     with pytest.raises(RuntimeError, match="float32 \\[M, K\\]"):

@@ -51,7 +51,14 @@ constexpr int kRows = 8;  // activation rows per pass over a weight row: int32 +
 constexpr int kRows = 4;  // 16 ymm registers
 #endif
 
-inline bool int8_type(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+// IQ4_XS's codes (its levels + 128, up to 241) pass int16 in vpmaddubsw's pairs: only vpdpbusd builds take them
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kIQ4Int8 = true;
+#else
+constexpr bool kIQ4Int8 = false;
+#endif
+
+inline bool int8_type(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K || (kIQ4Int8 && type == IQ4_XS); }
 
 inline float half(const uint8_t* p) {
 #if defined(__F16C__)
@@ -204,11 +211,27 @@ inline void open_q6_k(const uint8_t* b, WBlock& w) {
   }
 }
 
+// IQ4_XS: d f16 | scales_h u16 | scales_l[4] | qs[128]; codes = level + 128, scale = 6-bit scale - 32 per 32
+// (twice per 16), offset 128 scale
+inline void open_iq4_xs(const uint8_t* b, WBlock& w) {
+  for (int ib = 0; ib < 8; ++ib) {
+    const int sc = iq4xs_scale(b, ib);
+    w.sc[2 * ib] = w.sc[2 * ib + 1] = static_cast<int16_t>(sc);
+    w.off[2 * ib] = w.off[2 * ib + 1] = static_cast<int16_t>(128 * sc);
+    for (int j = 0; j < 16; ++j) {
+      w.q[32 * ib + j] = static_cast<uint8_t>(kIQ4Levels[b[8 + 16 * ib + j] & 0xF] + 128);
+      w.q[32 * ib + 16 + j] = static_cast<uint8_t>(kIQ4Levels[b[8 + 16 * ib + j] >> 4] + 128);
+    }
+  }
+  w.d = w.o = half(b);
+}
+
 inline void open_block(int64_t type, const uint8_t* b, WBlock& w) {
   switch (type) {
     case Q4_K: return open_k4(b, b + 16, nullptr, w);
     case Q5_K: return open_k4(b, b + 48, b + 16, w);
     case Q6_K: return open_q6_k(b, w);
+    case IQ4_XS: return open_iq4_xs(b, w);
   }
   layout(type);  // throws, naming the type
 }

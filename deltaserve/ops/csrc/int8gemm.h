@@ -112,6 +112,31 @@ inline void open_row_panel(int64_t type, const uint8_t* panel, int64_t nb, int64
   const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30), bit4 = _mm512_set1_epi8(0x10);
   auto put = [&](int c, __m512i v) { _mm512_store_si512(out.q[c], v); };
   uint8_t words[16][12];  // Q4_K / Q5_K: each row's 12 scale bytes
+  if (type == IQ4_XS) {
+    const uint8_t* p = panel + b * 2176;
+    alignas(16) uint8_t levels[16];
+    for (int i = 0; i < 16; ++i) levels[i] = static_cast<uint8_t>(kIQ4Levels[i] + 128);
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(levels)));
+    for (int ib = 0; ib < 8; ++ib)
+      for (int l4 = 0; l4 < 4; ++l4) {
+        const __m512i v = _mm512_loadu_si512(p + (ib * 4 + l4) * 64);
+        put(8 * ib + l4, _mm512_shuffle_epi8(lut, _mm512_and_si512(v, m4)));
+        put(8 * ib + 4 + l4, _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4)));
+      }
+    for (int r = 0; r < 16; ++r) {
+      uint8_t native[8];  // d | scales_h | scales_l of row r
+      std::memcpy(native, p + 2048 + 2 * r, 2);
+      std::memcpy(native + 2, p + 2080 + 2 * r, 2);
+      std::memcpy(native + 4, p + 2112 + 4 * r, 4);
+      for (int ib = 0; ib < 8; ++ib) {
+        const int sc = iq4xs_scale(native, ib);
+        out.sc[2 * ib][r] = out.sc[2 * ib + 1][r] = sc;
+        out.off[ib][r] = static_cast<int32_t>(static_cast<uint16_t>(128 * sc) | static_cast<uint32_t>(static_cast<uint16_t>(128 * sc)) << 16);
+      }
+      out.d[r] = out.o[r] = half(native);
+    }
+    return;
+  }
   if (type == Q6_K) {
     const uint8_t* p = panel + b * 3328;
     for (int n = 0; n < 2; ++n)

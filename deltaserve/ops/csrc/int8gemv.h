@@ -153,6 +153,29 @@ inline void rows_q6k(const uint8_t* row, int64_t nb, const XBlock* x, float* out
   for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
 
+// any type open_block takes, a block at a time through its opened form, in exact integer sums (IQ4_XS rows
+// outside panels: its codes reach 241, past vpmaddubsw's pairs)
+template <int MB, int64_t TYPE>
+inline void rows_opened(const uint8_t* row, int64_t nb, const XBlock* x, float* out) {
+  const int64_t bytes = layout(TYPE).bytes;
+  WBlock w;
+  for (int m = 0; m < MB; ++m) out[m] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    open_block(TYPE, row + b * bytes, w);
+    for (int m = 0; m < MB; ++m) {
+      const XBlock& xb = x[b * MB + m];
+      int32_t s = 0, o = 0;
+      for (int i = 0; i < 16; ++i) {
+        int32_t g = 0;
+        for (int e = 16 * i; e < 16 * i + 16; ++e) g += w.q[e] * xb.q[e];
+        s += w.sc[i] * g;
+        o += w.off[i] * xb.bs[i];
+      }
+      out[m] += w.d * xb.d * static_cast<float>(s) - w.o * xb.d * static_cast<float>(o);
+    }
+  }
+}
+
 using RowKernel = void (*)(const uint8_t*, int64_t, const XBlock*, float*);
 
 template <int MB>
@@ -161,6 +184,7 @@ inline RowKernel row_kernel_mb(int64_t type) {
     case Q4_K: return rows_k4<MB, false>;
     case Q5_K: return rows_k4<MB, true>;
     case Q6_K: return rows_q6k<MB>;
+    case IQ4_XS: return rows_opened<MB, IQ4_XS>;
   }
   return nullptr;
 }
@@ -337,6 +361,53 @@ inline void panel_q6k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t
   for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
 }
 
+// the same for an IQ4_XS panel: codes looked up (vpshufb) as level + 128, each 32's sum less 128 x the activations'
+// sum, times the row's scale - 32 (vpmulld), a float multiply-add per block
+template <int MB>
+inline void panel_iq4xs(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t xs, float* out) {
+  const __m512i m4 = _mm512_set1_epi8(0xF), m3 = _mm512_set1_epi32(3), m4d = _mm512_set1_epi32(0xF);
+  alignas(16) uint8_t levels[16];
+  for (int i = 0; i < 16; ++i) levels[i] = static_cast<uint8_t>(kIQ4Levels[i] + 128);
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(levels)));
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = panel + b * 2176;
+    prefetch_span(p, 2176);
+    const __m512i low = _mm512_loadu_si512(p + 2112);  // scales_l: a dword per row
+    const __m512i high = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2080)));
+    __m512i ai[MB];
+    for (int m = 0; m < MB; ++m) ai[m] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int ib = 0; ib < 8; ++ib) {
+      const __m512i sc = _mm512_sub_epi32(
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(low, 8 * (ib / 2) + 4 * (ib % 2)), m4d),
+                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(high, 2 * ib), m3), 4)),
+          _mm512_set1_epi32(32));
+      __m512i sum[MB];
+      for (int m = 0; m < MB; ++m) sum[m] = _mm512_set1_epi32(-128 * x[b * xs + m].bs32[ib]);
+#pragma GCC unroll 4
+      for (int l4 = 0; l4 < 4; ++l4) {
+        const __m512i v = _mm512_loadu_si512(p + (ib * 4 + l4) * 64);
+        const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, m4));
+        const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; ++m) {
+          sum[m] = dot4(sum[m], lo, x[b * xs + m].q + 32 * ib + 4 * l4);
+          sum[m] = dot4(sum[m], hi, x[b * xs + m].q + 32 * ib + 16 + 4 * l4);
+        }
+      }
+#pragma GCC unroll 4
+      for (int m = 0; m < MB; ++m) ai[m] = _mm512_add_epi32(ai[m], _mm512_mullo_epi32(sum[m], sc));
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2048)));
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[m]), _mm512_mul_ps(d, _mm512_set1_ps(x[b * xs + m].d)), acc[m]);
+  }
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
+}
+
 using PanelKernel = void (*)(const uint8_t*, int64_t, const XBlock*, int64_t, float*);
 
 template <int MB>
@@ -345,6 +416,7 @@ inline PanelKernel panel_kernel_mb(int64_t type) {
     case Q4_K: return panel_k4<MB, false>;
     case Q5_K: return panel_k4<MB, true>;
     case Q6_K: return panel_q6k<MB>;
+    case IQ4_XS: return panel_iq4xs<MB>;
   }
   return nullptr;
 }

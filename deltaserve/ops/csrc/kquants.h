@@ -175,7 +175,7 @@ struct Segments {
       TORCH_CHECK(first(s) == (s ? end(s - 1) : 0) && end(s) >= first(s), "segments out of order");
       TORCH_CHECK(t[kCols * s + 3] + (end(s) - first(s)) * (K / l.block) * l.bytes <= nbytes,
                   "segment ", s, " runs past the packed bytes");
-      TORCH_CHECK(t[kCols * s + 4] == 0 || (t[kCols * s + 4] == 16 && (type(s) == Q4_K || type(s) == Q5_K || type(s) == Q6_K)),
+      TORCH_CHECK(t[kCols * s + 4] == 0 || (t[kCols * s + 4] == 16 && (type(s) == Q4_K || type(s) == Q5_K || type(s) == Q6_K || type(s) == IQ4_XS)),
                   "segment ", s, ": panels of ", t[kCols * s + 4], " rows of type ", type(s));
     }
   }

@@ -32,6 +32,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_isa", &deltaserve::kq::int8_isa, "the instructions of the integer kernels in this build");
   m.def("int8_panels", [] { return deltaserve::kq::kDirectGemv ? deltaserve::kq::kPanel : int64_t{0}; },
         "rows per panel the integer kernels read K-quant matrices in (0: rows as the file holds them)");
+  m.def("int8_types", [] {
+          std::vector<int64_t> out;
+          for (int64_t t : {2, 12, 13, 14, 20, 23})
+            if (deltaserve::kq::int8_type(t)) out.push_back(t);
+          return out;
+        }, "the GGML types linear_int8 takes in this build");
   m.def("to_panels", &deltaserve::kq::to_panels, "a packed matrix's K-quant rows rearranged into panels, in place");
   m.def("probe_fma", &deltaserve::probe_fma, "float32 FMAs per second, all threads (iters, reps)");
   m.def("probe_int8", &deltaserve::probe_int8, "int8 products per second, all threads (iters, reps)");

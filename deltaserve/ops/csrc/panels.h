@@ -1,4 +1,4 @@
-// Row panels: K-quant rows (Q4_K, Q5_K, Q6_K) held 16 to a panel, the file's bytes only moved, so that one vector
+// Row panels: K-quant and IQ4_XS rows (Q4_K, Q5_K, Q6_K, IQ4_XS) held 16 to a panel, the file's bytes only moved, so that one vector
 // instruction multiplies 4 codes of each of 16 rows by the same 4 activations broadcast (vpdpbusd, one int32 lane
 // per row) and each row's scales and float factors apply per lane: no per-row reduction, scale shuffle or
 // horizontal sum, about a third of the row-at-a-time kernel's instructions. A panel takes the bytes of its 16 rows.
@@ -11,6 +11,7 @@
 //   Q4_K block: qs runs (j, l4) [32 x 64 B] | scale words u = 0..2 [3 x 64 B] | d [32 B] | dmin [32 B]
 //   Q5_K block: qs runs [2048] | qh runs l4 [8 x 64 B] | scale words [192] | d | dmin
 //   Q6_K block: ql runs (n, h, l4) [32 x 64 B] | qh runs (n, l4) [16 x 64 B] | scales g [16 x 16 B];  d after
+//   IQ4_XS block: qs runs (ib, l4) [32 x 64 B] | d [32 B] | scales_h [32 B] | scales_l [64 B]
 //
 // A segment of a panel type with the table's panel flag holds rows / 16 panels, then its rows % 16 last rows
 // native. Every reader of packed bytes takes either (native_row gives a row's file bytes back).
@@ -68,16 +69,25 @@ inline PanelLayout make_layout(int64_t type) {
       l.tail = 208;
       return l;
     }
+    case IQ4_XS: {
+      for (int ib = 0; ib < 8; ++ib)
+        for (int l4 = 0; l4 < 4; ++l4) add(8 + 16 * ib + 4 * l4, 4, (ib * 4 + l4) * 64);
+      add(0, 2, 2048);
+      add(2, 2, 2080);
+      add(4, 4, 2112);
+      l.block = 2176;
+      return l;
+    }
   }
   layout(type);
-  throw std::invalid_argument("row panels: GGML type " + std::to_string(type) + " is not a K-quant");
+  throw std::invalid_argument("row panels: GGML type " + std::to_string(type) + " has no panel layout");
 }
 
-inline bool panel_type(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+inline bool panel_type(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS; }
 
 inline const PanelLayout& panel_layout(int64_t type) {
-  static const PanelLayout q4 = make_layout(Q4_K), q5 = make_layout(Q5_K), q6 = make_layout(Q6_K);
-  return type == Q4_K ? q4 : type == Q5_K ? q5 : q6;
+  static const PanelLayout q4 = make_layout(Q4_K), q5 = make_layout(Q5_K), q6 = make_layout(Q6_K), iq4 = make_layout(IQ4_XS);
+  return type == Q4_K ? q4 : type == Q5_K ? q5 : type == Q6_K ? q6 : iq4;
 }
 
 // native_offset in a block <-> offset in a panel of nb blocks, for row r of block b
