@@ -52,6 +52,11 @@ class Packing:
             rows, offset = rows + n, offset + n * row_bytes(qtype, self.shape[-1])
         object.__setattr__(self, "table", torch.tensor(table, dtype=torch.int64).view(-1, 5))
 
+    @functools.cached_property
+    def int8(self) -> bool:
+        """Whether every segment's type has integer kernels in this build."""
+        return all(qtype in int8_types() for qtype, _ in self.segments)
+
     @property
     def nbytes(self) -> int:
         """Bytes of one matrix."""
@@ -155,27 +160,34 @@ def dequantize(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W^T (+ bias) in x's dtype for a packed matrix W: K-quant matrices through the integer kernels (see
     INT8_ACTIVATIONS); otherwise up to 16 rows of float32 activations through the GEMV kernel (the blocks stream
-    from memory once), more through float32 GEMMs on blocks of dequantised rows."""
+    from memory once), more through float32 GEMMs on blocks of dequantised rows. (A decode step makes ~100 of
+    these calls: no-op conversions are skipped, each costs a microsecond.)"""
     pk = w.packing
     N, K = pk.shape
-    xr = x.reshape(-1, K)
+    xr = x.view(-1, K) if x.is_contiguous() else x.reshape(-1, K)
     if pk.x_index is not None:
         xr = xr.index_select(1, pk.x_index)
-    if uses_int8(w) and x.device.type == "cpu" and fused.available():
+    cpu = x.device.type == "cpu" and fused.available()
+    if cpu and uses_int8(w):
         y = torch.empty(xr.shape[0], N)
-        fused.extension().linear_int8(xr.float().contiguous(), w.contiguous(), pk.table, y)
-    elif xr.shape[0] <= _GEMV_ROWS and x.dtype == torch.float32 and x.device.type == "cpu" and fused.available():
+        xr = xr if xr.dtype == torch.float32 else xr.float()
+        fused.extension().linear_int8(xr if xr.is_contiguous() else xr.contiguous(), w, pk.table, y)
+    elif cpu and xr.shape[0] <= _GEMV_ROWS and x.dtype == torch.float32:
         y = torch.empty(xr.shape[0], N)
-        fused.extension().linear_packed(xr.contiguous(), w.contiguous(), pk.table, y)
+        fused.extension().linear_packed(xr.contiguous(), w, pk.table, y)
     else:
         y = _blocked_gemm(xr, w)
-    y = y.view(*x.shape[:-1], N).to(x.dtype)
+    y = y.view(*x.shape[:-1], N)
+    y = y if y.dtype == x.dtype else y.to(x.dtype)
     return y if bias is None else y + bias.to(y.dtype)
 
 
 def uses_int8(w: torch.Tensor) -> bool:
     """Whether linear() multiplies packed matrix w by activations rounded to int8 (see INT8_ACTIVATIONS)."""
-    return INT8_ACTIVATIONS and all(qtype in int8_types() for qtype, _ in w.packing.segments)
+    return INT8_ACTIVATIONS and w.packing.int8
+
+
+
 
 
 def _blocked_gemm(xr: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
