@@ -1,11 +1,12 @@
 // deltaserve's CPU kernels, built by ops/fused.py as one translation unit from the headers beside this file:
-// delta_rule.h (the fused gated delta rule), conv.h, layers.h (norms, SwiGLU, attention step), gemv.h,
+// delta_rule.h (the fused gated delta rule), conv.h, gdn.h (a GDN layer's middle in one call), layers.h (norms, SwiGLU, attention step), gemv.h,
 // kquants.h (packed GGML blocks: decoders, rows to float32) and kquants_avx512.h, packed.h (decode GEMV and rows to float32 on them),
 // int8dot.h, int8gemv.h, int8gemm.h and panels.h (integer dot products of K-quant blocks; int8q8.h of Q8_0 ones with activations rounded to int8), probe.h (peaks),
 // attention.h (tiled attention over the KV cache for long spans).
 #include "attention.h"
 #include "conv.h"
 #include "delta_rule.h"
+#include "gdn.h"
 #include "gemv.h"
 #include "int8gemm.h"
 #include "int8q8.h"
@@ -18,6 +19,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdr_forward", &deltaserve::gdr_forward, "fused gated delta rule (CPU, float32)");
   m.def("gdr_inplace", &deltaserve::gdr_inplace, "the common in-place call, checked in C++; None for any other");
+  m.def("gdn_core", &deltaserve::gdn_core, "a GDN layer's conv, gates, delta rule and gated norm at inference (CPU)");
   m.def("conv_forward", &deltaserve::conv_forward, "short causal depthwise conv with state (CPU, float32)");
   m.def("linear_f16", &deltaserve::linear_f16, "float32 activations times float16 weights (CPU)");
   m.def("rms_norm", &deltaserve::rms_norm, "RMSNorm over the last dim, optionally gated (CPU, float32)");
