@@ -141,15 +141,15 @@ inline void open_row_panel(int64_t type, const uint8_t* panel, int64_t nb, int64
     const uint8_t* p = panel + b * 3328;
     for (int n = 0; n < 2; ++n)
       for (int l4 = 0; l4 < 8; ++l4) {
-        const __m512i a = _mm512_loadu_si512(p + ((n * 2) * 8 + l4) * 64), c = _mm512_loadu_si512(p + ((n * 2 + 1) * 8 + l4) * 64);
-        const __m512i h = _mm512_loadu_si512(p + 2048 + (n * 8 + l4) * 64);
+        const uint8_t* run = p + (2 * n + l4 / 4) * 832 + (l4 % 4) * 192;  // panels.h's Q6_K order
+        const __m512i a = _mm512_loadu_si512(run), c = _mm512_loadu_si512(run + 64), h = _mm512_loadu_si512(run + 128);
         put(32 * n + l4, _mm512_ternarylogic_epi32(a, m4, _mm512_and_si512(_mm512_slli_epi16(h, 4), m30), 0xEA));
         put(32 * n + 8 + l4, _mm512_ternarylogic_epi32(c, m4, _mm512_and_si512(_mm512_slli_epi16(h, 2), m30), 0xEA));
         put(32 * n + 16 + l4, _mm512_ternarylogic_epi32(_mm512_srli_epi16(a, 4), m4, _mm512_and_si512(h, m30), 0xEA));
         put(32 * n + 24 + l4, _mm512_ternarylogic_epi32(_mm512_srli_epi16(c, 4), m4, _mm512_and_si512(_mm512_srli_epi16(h, 2), m30), 0xEA));
       }
     for (int r = 0; r < 16; ++r) {
-      for (int i = 0; i < 16; ++i) out.sc[i][r] = static_cast<int8_t>(p[3072 + 16 * i + r]);
+      for (int i = 0; i < 16; ++i) out.sc[i][r] = static_cast<int8_t>(p[(2 * (i / 8) + i % 2) * 832 + 768 + 16 * ((i % 8) / 2) + r]);
       for (int i = 0; i < 8; ++i)
         out.off[i][r] = static_cast<int32_t>(static_cast<uint16_t>(32 * out.sc[2 * i][r]) | static_cast<uint32_t>(static_cast<uint16_t>(32 * out.sc[2 * i + 1][r])) << 16);
       out.d[r] = out.o[r] = half(panel + nb * 3328 + 32 * b + 2 * r);

@@ -330,8 +330,8 @@ inline void panel_q6k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t
 #pragma GCC unroll 4
         for (int l = 0; l < 4; ++l) {
           const int l4 = 4 * half + l;
-          const __m512i a = _mm512_loadu_si512(p + ((n * 2) * 8 + l4) * 64), c = _mm512_loadu_si512(p + ((n * 2 + 1) * 8 + l4) * 64);
-          const __m512i h = _mm512_loadu_si512(p + 2048 + (n * 8 + l4) * 64);
+          const uint8_t* run = p + (2 * n + half) * 832 + l * 192;  // ql (quarters 0, 2), ql + 32 (1, 3), qh
+          const __m512i a = _mm512_loadu_si512(run), c = _mm512_loadu_si512(run + 64), h = _mm512_loadu_si512(run + 128);
           // quarter q of the half: a nibble of a (q even) or c (odd), high bits 2q, 2q + 1 of h at bits 4, 5
           __m512i codes[4];
           codes[0] = _mm512_ternarylogic_epi32(a, m4, _mm512_and_si512(_mm512_slli_epi16(h, 4), m30), 0xEA);
@@ -344,7 +344,7 @@ inline void panel_q6k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t
         }
         for (int q = 0; q < 4; ++q) {
           const int g = 8 * n + 2 * q + half;  // the 16 elements' scale
-          const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3072 + 16 * g)));
+          const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (2 * n + half) * 832 + 768 + 16 * q)));
 #pragma GCC unroll 4
           for (int m = 0; m < MB; ++m) {
             const __m512i centred = _mm512_sub_epi32(sum[m][q], _mm512_set1_epi32(32 * x[b * xs + m].bs[g]));

@@ -10,7 +10,7 @@
 //
 //   Q4_K block: qs runs (j, l4) [32 x 64 B] | scale words u = 0..2 [3 x 64 B] | d [32 B] | dmin [32 B]
 //   Q5_K block: qs runs [2048] | qh runs l4 [8 x 64 B] | scale words [192] | d | dmin
-//   Q6_K block: ql runs (n, h, l4) [32 x 64 B] | qh runs (n, l4) [16 x 64 B] | scales g [16 x 16 B];  d after
+//   Q6_K block: 4 sections (n, half of l4): 4 x (ql run, ql + 32 run, qh run) [768 B] | 4 scales [64 B];  d after
 //   IQ4_XS block: qs runs (ib, l4) [32 x 64 B] | d [32 B] | scales_h [32 B] | scales_l [64 B]
 //
 // A segment of a panel type with the table's panel flag holds rows / 16 panels, then its rows % 16 last rows
@@ -58,13 +58,15 @@ inline PanelLayout make_layout(int64_t type) {
       l.block = at + 64;
       return l;
     }
-    case Q6_K: {
+    case Q6_K: {  // in the order the kernel reads them: per section (n, half) 4 triples (ql, ql + 32, qh), 4 scales
       for (int n = 0; n < 2; ++n)
-        for (int h = 0; h < 2; ++h)
-          for (int l4 = 0; l4 < 8; ++l4) add(64 * n + 32 * h + 4 * l4, 4, ((n * 2 + h) * 8 + l4) * 64);
-      for (int n = 0; n < 2; ++n)
-        for (int l4 = 0; l4 < 8; ++l4) add(128 + 32 * n + 4 * l4, 4, 2048 + (n * 8 + l4) * 64);
-      for (int g = 0; g < 16; ++g) add(192 + g, 1, 3072 + 16 * g);
+        for (int l4 = 0; l4 < 8; ++l4) {
+          const int at = (2 * n + l4 / 4) * 832 + (l4 % 4) * 192;
+          add(64 * n + 4 * l4, 4, at);
+          add(64 * n + 32 + 4 * l4, 4, at + 64);
+          add(128 + 32 * n + 4 * l4, 4, at + 128);
+        }
+      for (int g = 0; g < 16; ++g) add(192 + g, 1, (2 * (g / 8) + g % 2) * 832 + 768 + 16 * ((g % 8) / 2));
       l.block = 3328;
       l.tail = 208;
       return l;
