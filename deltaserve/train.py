@@ -82,14 +82,14 @@ class TrainConfig:
     # optimisation: AdamW, linear warmup then cosine decay to min_lr_ratio * lr
     context: int = 448  # a tool episode (its system turn declares the tool) is 310 to 400 tokens
     batch: int = 6
-    steps: int = 800
+    steps: int = 540
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup: int = 30
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    eval_every: int = 100
-    eval_windows: int = 48
+    eval_every: int = 90
+    eval_windows: int = 24
     seed: int = 0
     threads: int = 0  # 0: torch's default
     device: str = "cpu"  # where the training steps run ("cuda": deterministic on the same GPU, not equal to CPU)
