@@ -98,7 +98,7 @@ def speaker_name(heading: str) -> str:
 def parse_play(name: str, text: str) -> Play | None:
     """The speeches of a play text (as train.read_texts gives it), or None for a text with no acts (a poem).
     A speech is a heading line ("MACBETH." or "Macb. [Aside.]") after a blank line, then its lines up to the
-    next blank line; bracketed stage directions are dropped."""
+    next blank line; lines holding a bracketed stage direction are dropped, so every line is verbatim."""
     act = scene = None
     speeches = []
     blocks = [block.split("\n") for block in text.split("\n\n")]
@@ -116,9 +116,8 @@ def parse_play(name: str, text: str) -> Play | None:
             continue
         lines = []
         for line in block[1:]:
-            line = re.sub(r"\[[^\]]*\]?", "", line).strip()
-            if line and not line.startswith("["):
-                lines.append(line)
+            if "[" not in line and "]" not in line and line.strip():  # a line with a stage direction is no quotation
+                lines.append(line.strip())
         if lines:
             speeches.append(Speech(act, scene, speaker_name(speaker), tuple(lines)))
     if not speeches:
@@ -163,7 +162,7 @@ def ask_first_speaker(play: Play, rng: random.Random):
     question = rng.choice(("Who speaks first in Act {a} of {t}?", "Who has the first words of Act {a} in {t}?",
                            "In {t}, who opens Act {a}?")).format(a=act, t=play.title)
     reasoning = (f"Act {act} of {play.title} begins with Scene {first.scene}. The first speech there is "
-                 f"{first.speaker}'s: \"{first.lines[0]}\"")
+                 f"{first.speaker}'s: \"{first.lines[0]}\" So {first.speaker} speaks first.")
     answer = _say(rng, f"'tis {first.speaker} that speaks first in Act {act}, and says: \"{first.lines[0]}\"")
     return question, reasoning, answer
 
@@ -214,7 +213,8 @@ def ask_quote(play: Play, rng: random.Random):
     name = rng.choice(speakers)
     speech, line = rng.choice([(s, line) for s in play.speeches if s.speaker == name for line in s.lines])
     question = rng.choice(("Quote a line of {c} from {t}.", "What does {c} say in {t}?")).format(c=name, t=play.title)
-    reasoning = f"{name} speaks in Act {speech.act}, Scene {speech.scene} of {play.title}. One of the lines: \"{line}\""
+    reasoning = (f"{name} speaks in Act {speech.act}, Scene {speech.scene} of {play.title}. One of the lines: \"{line}\" "
+                 f"I shall quote it.")
     answer = _say(rng, f"thus speaks {name}: \"{line}\"")
     return question, reasoning, answer
 
