@@ -8,7 +8,8 @@ machine runs weighs on both alike), on the same scripted conversation: user
 turns of a few thousand characters, tool results every few turns, the model's own answers (greedy,
 temperature 0) carried in the history, which the chat template re-renders without the thinking block its
 generation prompt opened, so every prompt leaves the previous one where the assistant's turn started.
-Reported per turn: prompt tokens, tokens actually prefilled (prompt minus those served from the cache),
+Reported per turn: prompt tokens, tokens actually prefilled (prompt minus those served from the cache; the
+least share of the previous turn's prompt a turn reused is the figure for "only new tokens"),
 time to first token; and the whole conversation's time (the sum of its turns' request times). With --restart, deltaserve is stopped
 after the last turn and started again on the same --cache-dir, and answers one more turn.
 llama-server comes from `scripts/install-llama-cpp.sh server`; it runs with its defaults for hybrid
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("model", help="GGUF file with a chat template")
     p.add_argument("--against", choices=["llama-server", "none"], default="llama-server")
     p.add_argument("--turns", type=int, default=20)
-    p.add_argument("--chars", type=int, default=2600, help="characters per user turn (default 2600)")
+    p.add_argument("--chars", type=int, default=3200, help="characters per user turn (default 3200: 16k tokens by turn 20)")
     p.add_argument("--tool-every", type=int, default=4, help="a tool result every N turns (0: none)")
     p.add_argument("--max-tokens", type=int, default=24, help="tokens per answer (default 24)")
     p.add_argument("--ctx", type=int, default=24576, help="context of both servers (default 24576)")
@@ -198,8 +199,11 @@ def report(runs: dict, args) -> None:
     for n in names:
         r = runs[n]
         reused = 1 - sum(t["prefilled"] for t in r["turns"][1:]) / max(1, sum(t["prompt_tokens"] for t in r["turns"][1:]))
+        history = min((min(1.0, (t["prompt_tokens"] - t["prefilled"]) / before["prompt_tokens"])
+                       for before, t in zip(r["turns"], r["turns"][1:])), default=1.0)
         print(f"{n}: total {r['wall']:.1f} s (its turns' request times), turn {args.turns} TTFT {r['turns'][-1]['ttft']:.3f} s, "
-              f"{100 * reused:.1f}% of turns 2.. served from the cache")
+              f"{100 * reused:.1f}% of turns 2.. served from the cache; each turn reused at least "
+              f"{100 * history:.1f}% of the previous prompt")
         if "after_restart" in r:
             t = r["after_restart"]
             print(f"{n} restarted on its cache dir: turn {args.turns + 1} prefilled {t['prefilled']} of "
