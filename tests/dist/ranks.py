@@ -16,6 +16,7 @@ import torch.distributed as dist
 from deltaserve.dist import DistributedError, join
 from deltaserve.engine.llm import LLM, load
 from deltaserve.engine.runner import ModelRunner
+from deltaserve.models import packed
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -105,6 +106,44 @@ def _generation(pipe, tokenizer, path: str) -> None:
     loop = [11, 12, 13, 14, 15] * 6
     got = ours.generate(loop, max_tokens=16, temperature=0, speculative="ngram").token_ids
     assert got == theirs.generate(loop, max_tokens=16, temperature=0).token_ids
+
+
+def check_quantised(rank: int, path: str, port: int, int8: bool) -> None:
+    """A quantised file in 2 tensor shards (its blocks sliced) against one process on the same file: prefill
+    and decode logits, and greedy tokens. int8=False: every rank multiplies float32 activations by the exact
+    weights, the same kernels on the same blocks; the shards differ from one process only by float32 sums
+    in another order, bound as float files' but 10x wider: these files' single float32 process is itself
+    3-5e-4 from float64 (their prefill sums dequantised blocks in GEMMs), the shards measured 5e-5 from it.
+    int8=True (K-quants' default, llama.cpp's Q8_K rounding of activations): one ulp of difference in an
+    activation can move its int8 rounding by a step, and a step moves logits by up to 0.3 (measured: one ulp
+    of noise on one norm weight of one process); bound by half of what rounding every activation does
+    (int8 against float activations in one process), and no greedy comparison."""
+    setup(rank, 2, port)
+    packed.INT8_ACTIVATIONS = int8
+    loaded = join(path, tp=2, timeout_s=60)
+    if rank != 0:
+        return
+    shards, tokenizer = loaded
+    ref, _ = load(path)
+    prompt = torch.randint(0, ref.config.vocab_size, (2, 63), generator=torch.Generator().manual_seed(1)).tolist()
+    steps = [prompt] + [[[5 + t], [9 + t]] for t in range(3)]
+
+    def run(model) -> list[torch.Tensor]:
+        runner = ModelRunner(model, n_slots=3, max_len=96, checkpoint_interval=0)
+        return [runner.forward([2, 0], step, "all" if i == 0 else "last") for i, step in enumerate(steps)]
+    got, want = run(shards), run(ref)
+    if int8:
+        packed.INT8_ACTIVATIONS = False
+        rounding = max(float((a - b).abs().max()) for a, b in zip(want, run(ref)))
+        worst = max(float((a - b).abs().max()) for a, b in zip(got, want))
+        assert worst <= rounding / 2, (worst, rounding)
+        return
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4 * max(1.0, float(b.abs().max())), rtol=1e-4)
+    ours, theirs = LLM(loaded=(shards, tokenizer), max_len=96), LLM(path, max_len=96)
+    text = "The river starts as a thin line of water high in the hills."
+    assert ours.generate(text, max_tokens=12, temperature=0, ignore_eos=True).token_ids == \
+        theirs.generate(text, max_tokens=12, temperature=0, ignore_eos=True).token_ids
 
 
 def check_dead_rank(rank: int, path: str, port: int, how: str, timeout_s: float, out) -> None:
