@@ -102,6 +102,8 @@ def small_config(cfg, N: int):
     """The config of one rank's model (1/N of every split size; whole heads), after checking that N divides
     them; its vocabulary is one shard of ceil(V/N) rows."""
     ffns = set(cfg.ffn_types)
+    if "moe" in ffns and cfg.num_experts < N:
+        raise DeltaserveError(f"--tp {N} splits MoE layers by expert, but the model has {cfg.num_experts} experts")
     if hasattr(cfg, "linear_k_heads"):  # Qwen
         sizes = dict(linear_k_heads=cfg.linear_k_heads, linear_v_heads=cfg.linear_v_heads,
                      num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads)
@@ -116,8 +118,6 @@ def small_config(cfg, N: int):
             sizes["intermediate_size"] = cfg.intermediate_size
         _check(N, sizes | ({"shared expert width": cfg.shared_intermediate_size} if "moe" in ffns else {}),
                "kimi-linear")
-    if "moe" in ffns and cfg.num_experts < N:
-        raise DeltaserveError(f"--tp {N} splits MoE layers by expert, but the model has {cfg.num_experts} experts")
     return dataclasses.replace(cfg, **{k: v // N for k, v in sizes.items()}, vocab_size=math.ceil(cfg.vocab_size / N))
 
 
