@@ -41,7 +41,7 @@ class TensorPart:
         self.full = None  # the checkpoint's config, set by cut
         self.shares: dict[str, Share] = {}
         self.kv_shared = False
-        self.reduced = 0  # bytes this rank put into all-reduces so far
+        self.reduced = self.reductions = 0  # bytes this rank put into all-reduces so far, and how many
 
     def cut(self, model: HybridModel) -> HybridModel:
         self.full, self.shares, self.kv_shared = model.config, layer_shares(model), kv_shared(model)
@@ -98,6 +98,7 @@ class Summed(nn.Module):
 def all_reduce(t: torch.Tensor, part: TensorPart) -> None:
     dist.all_reduce(t)
     part.reduced += t.numel() * t.element_size()
+    part.reductions += 1
 
 
 def sum_outputs(model: HybridModel, part: TensorPart) -> None:
