@@ -42,7 +42,7 @@ def _measure(model, prompt: list[int], decode: int, moved=lambda: (0, 0), passes
     runner.forward([0], [prompt[:8]])  # warm-up: first-call costs out of the figures
     runner.reset(0)
     marks = [passes()]
-    (b0, m0), began = moved(), time.perf_counter()
+    (b0, _), began = moved(), time.perf_counter()
     logits = runner.forward([0], [prompt])
     prefill_s = time.perf_counter() - began
     (b1, m1), marks = moved(), marks + [passes()]
