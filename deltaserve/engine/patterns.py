@@ -4,7 +4,8 @@ against the whole text):
 - `pattern_regex`: a JSON Schema `pattern` (ECMA-262 syntax, found anywhere in the string unless anchored)
   as a regex the whole string matches. Escapes take the meaning that is narrower between ECMA-262 and
   Python's `re` (what jsonschema validates with): \\d and \\w are ASCII, \\D and \\W exclude every
-  Unicode digit or word character, so that whatever matches also validates under both.
+  Unicode digit or word character (inside a negated class the other way round), so that whatever
+  matches also validates under both.
 - `avoiding`: the strings in which none of some words occurs (the XML call form's tags, which would end a
   value early), written without the negation llguidance's Lark terminals have, so that it also serves
   as a JSON Schema `pattern`.
@@ -15,11 +16,12 @@ from __future__ import annotations
 from deltaserve.errors import DeltaserveError
 
 ANY = "(?s:.*)"
-_SPACE = "\\t\\n\\x0b\\x0c\\r "  # ECMA-262's and Python's \s agree on ASCII; beyond it they differ
-_CLASS_ESCAPES = {"d": "0-9", "w": "0-9A-Za-z_", "s": _SPACE, "D": "\\D", "W": "\\W",
-                  "S": "[\\S&&[^\\x1c-\\x1f]]"}  # Python's \s also holds \x1c-\x1f
-_ESCAPES = {"d": "[0-9]", "w": "[0-9A-Za-z_]", "s": f"[{_SPACE}]", "D": "\\D", "W": "\\W",
-            "S": "[\\S&&[^\\x1c-\\x1f]]"}
+_SPACE = "\\t\\n\\x0b\\x0c\\r "  # where ECMA-262's and Python's \s agree
+_ANY_SPACE = "\\s\\x1c-\\x1f\\x{feff}"  # what either takes for a space
+# an escape as the smallest set of characters both readings give it, and as the largest (the one a
+# negated class must subtract, so that what it leaves is again the smallest)
+_NARROW = {"d": "0-9", "w": "0-9A-Za-z_", "s": _SPACE, "D": "\\D", "W": "\\W", "S": f"[^{_ANY_SPACE}]"}
+_WIDE = {"d": "\\d", "w": "\\w", "s": _ANY_SPACE, "D": "[^0-9]", "W": "[^0-9A-Za-z_]", "S": f"[^{_SPACE}]"}
 _UNSUPPORTED = {"b": "a word boundary (\\b)", "B": "a word boundary (\\B)", "k": "a named back-reference (\\k)"}
 
 
@@ -72,8 +74,9 @@ def pattern_regex(pattern: str) -> str:
     return "(?:" + "|".join(whole) + ")"
 
 
-def _escape(pattern: str, i: int, in_class: bool) -> tuple[str, int]:
-    """The escape at pattern[i] ('\\'), translated; and the index after it."""
+def _escape(pattern: str, i: int, in_class: bool, negated: bool = False) -> tuple[str, int]:
+    """The escape at pattern[i] ('\\'), translated (in_class: inside a class, negated or not); and the index
+    after it."""
     if i + 1 >= len(pattern):
         raise PatternError("the pattern ends with a lone backslash")
     c = pattern[i + 1]
@@ -81,8 +84,10 @@ def _escape(pattern: str, i: int, in_class: bool) -> tuple[str, int]:
         return "\\x00" if c == "0" else "\\x08", i + 2
     if c in _UNSUPPORTED or c.isdigit():
         raise PatternError(f"{_UNSUPPORTED.get(c, 'a back-reference')} cannot be matched here")
-    if c in _ESCAPES:
-        return (_CLASS_ESCAPES if in_class else _ESCAPES)[c], i + 2
+    if c in _NARROW:
+        if in_class:
+            return (_WIDE if negated else _NARROW)[c], i + 2
+        return _NARROW[c] if c in "DW" else f"[{_NARROW[c]}]", i + 2
     if c == "u" and pattern[i + 2:i + 3] != "{":  # \uXXXX
         return "\\x{" + pattern[i + 2:i + 6] + "}", i + 6
     if c == "/":
@@ -101,7 +106,7 @@ def _char_class(pattern: str, i: int) -> tuple[str, int]:
         return ("[^\\s\\S]" if out == ["["] else "(?s:.)"), i + 1
     while i < len(pattern) and pattern[i] != "]":
         if pattern[i] == "\\":
-            piece, i = _escape(pattern, i, in_class=True)
+            piece, i = _escape(pattern, i, in_class=True, negated=out[:2] == ["[", "^"])
         else:
             piece, i = {"[": "\\[", "&": "\\&", "~": "\\~", "-": "-", "/": "\\/"}.get(pattern[i], pattern[i]), i + 1
         out.append(piece)

@@ -204,3 +204,16 @@ def test_any_text_parses_without_error_the_same_whole_or_cut(form):
         for pieces in ([text[:cut], text[cut:]], list(text)):
             deltas, message = fed(fmt, pieces)
             assert without_ids(message) == expected == without_ids(joined(deltas)), (text, pieces)
+
+
+def test_xml_values_are_typed_through_refs():
+    """A tool's schema as pydantic writes it: the parameters object and its properties behind $refs."""
+    booking = {"type": "function", "function": {"name": "book", "parameters": {"$ref": "#/$defs/Booking", "$defs": {
+        "Booking": {"type": "object", "properties": {"nights": {"$ref": "#/$defs/Nights"},
+                                                     "guest": {"$ref": "#/$defs/Guest"},
+                                                     "note": {"anyOf": [{"$ref": "#/$defs/Nights"}, {"type": "null"}]},
+                                                     "name": {"type": "string"}}},
+        "Nights": {"type": "integer"}, "Guest": {"type": "object"}}}}}
+    arguments = {"nights": 3, "guest": {"name": "Ann"}, "note": None, "name": "7"}
+    message = fed(OutputFormat(form=XML, tools=[booking]), [render_call(XML, "book", arguments)])[1]
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == arguments
