@@ -51,9 +51,30 @@ def _types(schema: Any) -> list[str]:
     return found
 
 
+def _choices(schema: Any) -> list:
+    """The enum / const values of a schema and of its union's members."""
+    if not isinstance(schema, dict):
+        return []
+    found = [schema["const"]] if "const" in schema else list(schema.get("enum") or [])
+    for key in ("anyOf", "oneOf"):
+        for option in schema.get(key) or []:
+            found += _choices(option)
+    return found
+
+
 def typed_value(text: str, schema: Any) -> Any:
-    """An XML parameter's text as its schema's type; text that is none of the types stays a string."""
+    """An XML parameter's text as its schema's type; text that is none of the types stays a string. Where the
+    schema lists values that are not all strings (enum [1, "auto"]), text that is the JSON of one of them
+    is that value (the grammar writes such an enum as JSON)."""
     value = text.strip()
+    choices = _choices(schema)
+    if any(not isinstance(c, str) for c in choices):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = text
+        if any(type(c) is type(parsed) and c == parsed for c in choices):
+            return parsed
     for kind in _types(schema):
         if kind == "integer" and _INTEGER.fullmatch(value):
             return int(value)

@@ -96,8 +96,8 @@ def test_n_choices_come_from_one_prefill_each_with_its_own_seed(tiny_gguf, monke
     llm = LLM(tiny_gguf, max_len=128)
     fed = []  # the rows of every forward pass
     real = ModelRunner.forward
-    monkeypatch.setattr(ModelRunner, "forward",
-                        lambda self, slots, toks, **kw: fed.append([len(t) for t in toks]) or real(self, slots, toks, **kw))
+    monkeypatch.setattr(ModelRunner, "forward", lambda self, slots, toks, **kw:
+                        fed.append([len(t) for t in toks]) or real(self, slots, toks, **kw))
     choices = llm.generate(prompt, max_tokens=10, temperature=1.0, seed=7, ignore_eos=True, n=3)
     monkeypatch.undo()
     assert [c.token_ids for c in choices] == [s.token_ids for s in solo]

@@ -1,7 +1,8 @@
 """Forced tool calls from random-weight models of every family, in both call forms, with schemas that use
 pattern, format, minLength, enum, nested objects, arrays, unions and $ref (one written by pydantic): every
 output is read back by the server's own tool-call parser and validates against the tool's schema under
-jsonschema's format checkers (rfc3339-validator, fqdn, rfc3986-validator, ...), 100% of them."""
+jsonschema's format checkers (rfc3339-validator, fqdn, rfc3986-validator, ...), 100% of them; and the same
+schemas as response_format's JSON."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from deltaserve.callforms import CallForm
-from deltaserve.engine.grammar import Tool, tool_call_grammar
+from deltaserve.engine.grammar import Tool, json_grammar, tool_call_grammar
 from deltaserve.engine.llm import LLM
 from deltaserve.server.reasoning import CONTENT
 from deltaserve.server.toolcalls import ARGUMENTS, CALL, ToolCallParser
@@ -36,6 +37,7 @@ EVENT = {"type": "object", "properties": {
     "id": {"type": "string", "format": "uuid"},
     "host": {"type": "string", "format": "ipv4"},
     "level": {"enum": ["low", "mid", "high"]},
+    "priority": {"enum": [1, 2, "urgent"]},
     "note": {"anyOf": [{"type": "string", "maxLength": 6}, {"type": "null"}]}},
     "required": ["title", "code", "start", "day", "id", "level"]}
 CONTACT = {"type": "object", "properties": {
@@ -97,3 +99,8 @@ def test_every_forced_call_of_a_random_model_validates(arch, model_path):
         assert [e[3] for e in events if e[0] == CALL] == [name], out.text
         arguments = json.loads("".join(e[2] for e in events if e[0] == ARGUMENTS))
         jsonschema.validate(arguments, parameters, format_checker=CHECKER)
+    # response_format json_schema: the same schemas, as JSON
+    for name, schema in TOOLS.items():
+        out = llm.generate(prompt, max_tokens=600, temperature=1.0, seed=next(seeds), grammar=json_grammar(schema))
+        assert out.finish_reason == "stop", (arch, name, out.text)
+        jsonschema.validate(json.loads(out.text), schema, format_checker=CHECKER)

@@ -165,7 +165,10 @@ def test_without_tools_calls_are_content():
     ("null", {"anyOf": [{"type": "integer"}, {"type": "null"}]}, None),
     ("[1, \"a\"]", {"type": "array"}, [1, "a"]), ("{\"a\": 1}", {"type": "array"}, "{\"a\": 1}"),
     ("{bad", {"type": "object"}, "{bad"), (" keep spaces ", {"type": "string"}, " keep spaces "),
-    ("5", None, "5"), ("5", {"enum": [5]}, "5"),
+    ("5", None, "5"), ("5", {"enum": ["5"]}, "5"), ("5", {"enum": [5, "auto"]}, 5),
+    ("\"auto\"", {"enum": [5, "auto"]}, "auto"),
+    ("true", {"anyOf": [{"const": True}, {"enum": ["a"]}]}, True), ("1", {"enum": [True, 2]}, "1"),
+    ("a", {"anyOf": [{"enum": ["a"]}, {"enum": [1]}]}, "a"),
 ])
 def test_parameter_values_are_typed_by_the_schema(text, schema, expected):
     value = typed_value(text, schema)
