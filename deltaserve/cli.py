@@ -71,7 +71,8 @@ def _add_model_args(p: argparse.ArgumentParser):
                         "layers (default 1: no torchrun)")
     p.add_argument("--tp", type=_int(1), default=1,
                    help="tensor shards: run under torchrun with this many processes, each holding a share of "
-                        "every layer's heads and columns (dense qwen35 float files so far; default 1)")
+                        "every layer's heads, columns and experts (every family; quantised files where the "
+                        "shares fall on the file's blocks; default 1)")
     p.add_argument("--dist-timeout", type=_float(0, low_open=True), default=120,
                    help="with --pp / --tp: seconds a rank waits for another before failing with an error (default 120)")
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from .constrain import grammar_tokenizer_ready, prepare_in_background
 from .request import Event, Request
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -51,6 +52,14 @@ class Engine:
         self._stopped = self._cancel_all = False
         self._thread = threading.Thread(target=self._loop, name="deltaserve-engine", daemon=True)
         self._thread.start()
+        # llguidance's tables for the vocabulary (most of a second for 248k tokens) are built now, beside the
+        # engine, rather than by the first request with response_format or a forced tool call
+        self._grammar_build = prepare_in_background(tokenizer, self.vocab_size)
+
+    def grammar_ready(self, timeout: float | None = 0) -> bool:
+        """Whether constrained decoding's view of the vocabulary is built (waiting up to `timeout` seconds)."""
+        self._grammar_build.join(timeout)
+        return grammar_tokenizer_ready(self.tokenizer, self.vocab_size)
 
     @property
     def max_len(self) -> int:

@@ -17,10 +17,11 @@ from llguidance.torch import fill_next_token_bitmask
 
 from deltaserve.callforms import CallForm
 from deltaserve.convert.presets import TOKENIZER_TEXT, train_tokenizer
-from deltaserve.engine.constrain import Constraint, apply_masks, grammar_error
+from deltaserve.engine.constrain import (Constraint, apply_masks, grammar_error, grammar_tokenizer,
+                                         grammar_tokenizer_ready)
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.grammar import Tool, closed, json_grammar, tool_call_grammar
-from deltaserve.engine.llm import LLM
+from deltaserve.engine.llm import LLM, load
 from deltaserve.engine.sampling import SamplingParams
 from deltaserve.errors import DeltaserveError
 from deltaserve.tokenizer import train_bpe
@@ -251,3 +252,20 @@ def test_speculative_decoding_under_a_grammar_gives_plain_decodings_tokens():
         jsonschema.validate(json.loads(sampled.text), schema)
     stats = llm.speculators["ngram"]
     assert stats.proposed > 0 and stats.accepted > 0  # drafting happened, and some drafts were kept
+
+
+def test_the_engine_builds_the_grammar_tokenizer_when_it_loads(tiny_gguf):
+    """The vocabulary's tables for llguidance are built beside a new engine, not by its first constrained
+    request: ready after a bounded wait with no request made, and that very build is what the request uses."""
+    model, tok = load(tiny_gguf)  # a tokenizer of its own: nothing was built for it yet
+    assert not grammar_tokenizer_ready(tok, model.config.vocab_size)
+    engine = Engine(model, tok, n_slots=1, max_len=256)
+    try:
+        assert engine.grammar_ready(timeout=60)
+        built = grammar_tokenizer(tok, model.config.vocab_size)
+        done = _submit(engine, tok.encode("ROMEO:"), SamplingParams(max_tokens=100, temperature=1.0, seed=1,
+                                                                     grammar=json_grammar(PERSON)))()
+        jsonschema.validate(json.loads(done.text), PERSON)
+        assert grammar_tokenizer(tok, model.config.vocab_size) is built
+    finally:
+        engine.close()
