@@ -234,23 +234,25 @@ def test_batched_constrained_requests_leave_their_neighbours_unchanged(embedded,
         engine.close()
 
 
-def test_speculative_decoding_under_a_grammar_gives_plain_decodings_tokens():
+@pytest.mark.parametrize("drafter", ["ngram", "mtp"])
+def test_speculative_decoding_under_a_grammar_gives_plain_decodings_tokens(drafter):
     """Greedy speculative decoding gives the tokens of plain decoding, also under a grammar: the drafts are
     checked against it, and the matcher returns with the rolled-back state. A prompt that repeats itself
-    makes the ngram drafter propose, some drafts the grammar refuses."""
+    makes the ngram drafter propose, some drafts the grammar refuses; the embedded model's own MTP layer
+    drafts whatever its training makes likely, which the grammar refuses often."""
     llm = LLM(None, max_len=512)
     tok = llm.tokenizer
     prompt = tok.encode('{"name": "ROMEO", "age": 16, "role": "user", "active": true}\n' * 3)
     for schema in (PERSON, ORDER):
         grammar = json_grammar(schema)
         plain = llm.generate(prompt, max_tokens=150, temperature=0, grammar=grammar, speculative=False)
-        spec = llm.generate(prompt, max_tokens=150, temperature=0, grammar=grammar, speculative="ngram")
+        spec = llm.generate(prompt, max_tokens=150, temperature=0, grammar=grammar, speculative=drafter)
         assert spec.token_ids == plain.token_ids and plain.finish_reason == "stop"
         jsonschema.validate(json.loads(spec.text), schema)
         sampled = llm.generate(prompt, max_tokens=150, temperature=1.0, seed=4, grammar=grammar,
-                               speculative="ngram")
+                               speculative=drafter)
         jsonschema.validate(json.loads(sampled.text), schema)
-    stats = llm.speculators["ngram"]
+    stats = llm.speculators[drafter]
     assert stats.proposed > 0 and stats.accepted > 0  # drafting happened, and some drafts were kept
 
 
