@@ -71,7 +71,8 @@ def _add_model_args(p: argparse.ArgumentParser):
                         "layers (default 1: no torchrun)")
     p.add_argument("--tp", type=_int(1), default=1,
                    help="tensor shards: run under torchrun with this many processes, each holding a share of "
-                        "every layer's heads and columns (dense qwen35 float files so far; default 1)")
+                        "every layer's heads, columns and experts (every family; quantised files where the "
+                        "shares fall on the file's blocks; default 1)")
     p.add_argument("--dist-timeout", type=_float(0, low_open=True), default=120,
                    help="with --pp / --tp: seconds a rank waits for another before failing with an error (default 120)")
 
@@ -185,7 +186,8 @@ def cmd_serve(args):
     model, tokenizer = loaded
     name = args.served_model_name or Path(args.model or DEFAULT_MODEL).stem
     engine = Engine(model, tokenizer, n_slots=args.slots, max_len=args.ctx_size, prefill_chunk=args.chunk_size,
-                    model_name=name, cache_budget_mb=args.cache_mb, speculative=args.spec, spec_tokens=args.spec_tokens)
+                    model_name=name, cache_budget_mb=args.cache_mb, speculative=args.spec, spec_tokens=args.spec_tokens,
+                    spec_max_batch=args.spec_max_batch)
     if args.cache_dir:
         n = engine.runner.cache.load_checkpoints(args.cache_dir, model)
         print(f"deltaserve: {n} prefix checkpoints loaded from {args.cache_dir}", file=sys.stderr)
@@ -270,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="let web pages from these origins call the API (CORS), e.g. http://localhost:3000; "
                             "'*' for any (default: none)")
     serve.add_argument("--slots", type=_int(1), default=8, help="sequences decoded together (default 8)")
+    serve.add_argument("--spec-max-batch", type=_int(1), default=None, metavar="N",
+                       help="with --spec: a decode step of more than N sequences drafts nothing (default: always draft)")
     serve.add_argument("--served-model-name", default=None, help="model id in the API (default: the file name)")
     serve.add_argument("--max-request-bytes", type=_int(1), default=MAX_REQUEST_BYTES,
                        help="largest request body; larger ones get 413 (default 4 MiB)")

@@ -1,14 +1,21 @@
-"""Pipeline or tensor parallel on one machine: prefill and decode tokens/s of 1 and N ranks, bytes exchanged,
-peak RSS per rank.
+"""One process against N ranks on one machine, pipeline (--pp N) and tensor (--tp N) parallel: prefill and
+decode tokens/s, bytes exchanged a token, what they would cost on a link between machines, peak RSS per rank,
+and how busy each pipeline stage is.
 
-    python -m deltaserve.bench.dist MODEL.gguf [--pp 2 | --pp 1 --tp 2] [--prompt 512] [--decode 64] [--threads T]
+    python -m deltaserve.bench.dist MODEL.gguf [--ranks 2] [--splits pp,tp] [--prompt 512] [--decode 64]
+                                    [--threads T] [--json out.json]
 
 Every configuration runs in processes of its own (torch.multiprocessing, gloo over loopback), one after the
-other: a single process with T threads, then N ranks with T / N threads each, so both use the same cores.
-On one machine pipeline stages only take turns (no micro-batching): expect no speed-up, only the overhead
-of the hand-offs; tensor shards split the work but wait on two all-reduces a layer. Reported beside it: the
-bytes rank 0 sent and received per decoded token, what those bytes would take on a 10 Gb/s link, and each
-rank's peak RSS.
+other: a single process with T threads, then N ranks with T / N threads each, so all use the same cores. A
+split the model does not allow (--tp N must divide its head counts) is reported with the reason and skipped.
+
+Bytes a token: --pp, the hidden states in and out of rank 0 (2 of the N hops); --tp, each rank's share of
+the all-reduces as a ring moves it (2(N-1)/N of each summed tensor) plus the vocabulary shards gathered to
+rank 0. The commands' few hundred bytes are not counted. A link's cost a token: those bytes at its bandwidth
+plus its one-way latency for each message that waits on the one before (N hops a token for --pp; 2(N-1)
+ring steps an all-reduce, two all-reduces a layer, for --tp). Stage busy: the share of the passes' wall time
+(on rank 0) each pipeline rank spent running its own layers; the rest it waited, which micro-batching could
+fill on separate machines.
 """
 
 from __future__ import annotations
@@ -18,14 +25,15 @@ import json
 import os
 import resource
 import socket
+import sys
 import time
 
 LINK_BITS_PER_S = 10e9
 
 
-def _measure(model, prompt: list[int], decode: int, moved=lambda: 0) -> dict:
-    """Prefill `prompt` in one pass, then `decode` single-token steps; tokens/s of each, and what `moved`
-    (bytes exchanged so far) grew by per decoded token."""
+def _measure(model, prompt: list[int], decode: int, moved=lambda: (0, 0), passes=lambda: 0) -> dict:
+    """Warm up, prefill `prompt` in one call, then `decode` single-token steps. moved(): (bytes, sequential
+    messages) exchanged so far; passes(): the stage clock's passes so far (pipeline)."""
     import torch
 
     from deltaserve.engine.runner import ModelRunner
@@ -33,31 +41,24 @@ def _measure(model, prompt: list[int], decode: int, moved=lambda: 0) -> dict:
     runner = ModelRunner(model, n_slots=1, max_len=len(prompt) + decode + 1, checkpoint_interval=0)
     runner.forward([0], [prompt[:8]])  # warm-up: first-call costs out of the figures
     runner.reset(0)
-    began = time.perf_counter()
+    marks = [passes()]
+    (b0, _), began = moved(), time.perf_counter()
     logits = runner.forward([0], [prompt])
-    prefill = time.perf_counter() - began
-    began, before = time.perf_counter(), moved()
+    prefill_s = time.perf_counter() - began
+    (b1, m1), marks = moved(), marks + [passes()]
+    began = time.perf_counter()
     for _ in range(decode):
         logits = runner.forward([0], [[int(torch.argmax(logits[0]))]])
-    return dict(prefill_tok_s=len(prompt) / prefill, decode_tok_s=decode / (time.perf_counter() - began),
-                bytes_per_token=(moved() - before) / decode)
+    decode_s = time.perf_counter() - began
+    b2, m2 = moved()
+    return dict(prefill_tok_s=len(prompt) / prefill_s, decode_tok_s=decode / decode_s, prefill_s=prefill_s,
+                decode_s=decode_s, prefill_bytes_per_token=(b1 - b0) / len(prompt),
+                bytes_per_token=(b2 - b1) / decode, messages_per_token=(m2 - m1) / decode,
+                marks=marks + [passes()])
 
 
-def _rank(rank: int, args, port: int, out) -> None:
-    import torch
-
-    world = max(args.pp, args.tp)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, args.threads // world))
-    from deltaserve.dist import join
-
-    loaded = join(args.model, pp=args.pp, tp=args.tp, timeout_s=600)
-    if loaded is not None:
-        model, _ = loaded
-        result = _measure(model, _prompt(args.prompt, model.config.vocab_size), args.decode,
-                          lambda: model.link.bytes_sent + model.link.bytes_received)
-        out.put((rank, result | dict(link_us_per_token=result["bytes_per_token"] * 8 / LINK_BITS_PER_S * 1e6)))
-    out.put((rank, dict(peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)))
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _single(args, out) -> None:
@@ -68,7 +69,39 @@ def _single(args, out) -> None:
     torch.set_num_threads(args.threads)
     model, _ = load(args.model)
     result = _measure(model, _prompt(args.prompt, model.config.vocab_size), args.decode)
-    out.put((0, result | dict(peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)))
+    out.put((0, result | dict(peak_rss_mb=_peak_rss_mb())))
+
+
+def _rank(rank: int, args, split: str, port: int, out) -> None:
+    import torch
+
+    from deltaserve.errors import DeltaserveError
+
+    N = args.ranks
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(N), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, args.threads // N))
+    from deltaserve.dist import join
+    from deltaserve.dist.pipeline import CLOCK
+
+    try:
+        loaded = join(args.model, **{split: N}, timeout_s=600)
+    except DeltaserveError as e:  # the same on every rank: the model does not split so
+        out.put((rank, dict(skipped=str(e), done=True)))
+        return
+    if loaded is not None:
+        model, _ = loaded
+        if split == "pp":  # N hops a pass, one after the other
+            def moved():
+                return model.link.bytes_sent + model.link.bytes_received, N * len(CLOCK.passes)
+        else:  # the gathered logits, and this rank's ring share of every all-reduce (2(N-1) steps each)
+            def moved():
+                p = model.part
+                return model.link.bytes_received + 2 * (N - 1) / N * p.reduced, 2 * (N - 1) * p.reductions
+        result = _measure(model, _prompt(args.prompt, model.config.vocab_size), args.decode, moved,
+                          lambda: len(CLOCK.passes))
+        result["messages_per_token"] += split == "tp"  # the gather of the logits
+        out.put((rank, result))
+    out.put((rank, dict(peak_rss_mb=_peak_rss_mb(), passes=list(CLOCK.passes), done=True)))
 
 
 def _prompt(n: int, vocab: int) -> list[int]:
@@ -79,6 +112,7 @@ def _prompt(n: int, vocab: int) -> list[int]:
 
 
 def _run(target, args, ranks: int, extra=()) -> list[dict]:
+    """Each of `ranks` processes' figures (dicts merged from what it put, until it said done)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -86,45 +120,105 @@ def _run(target, args, ranks: int, extra=()) -> list[dict]:
     procs = [ctx.Process(target=target, args=(*((r,) if ranks > 1 else ()), args, *extra, out)) for r in range(ranks)]
     for p in procs:
         p.start()
-    results = [{} for _ in range(ranks)]
-    for _ in range(ranks + (1 if ranks > 1 else 0)):
+    results, done = [{} for _ in range(ranks)], 0
+    while done < ranks:
         rank, got = out.get(timeout=3600)
         results[rank] |= got
+        done += bool(got.pop("done", ranks == 1))
     for p in procs:
         p.join()
+    for r in results:
+        r.pop("done", None)
     return results
+
+
+def _stage_busy(ranks: list[dict]) -> list[dict]:
+    """Per pipeline rank, the share of rank 0's prefill and decode wall time it spent running its layers.
+    Every rank keeps the same passes in the same order, so rank 0's marks cut every rank's list alike."""
+    first, mid, end = ranks[0]["marks"]
+    walls = dict(prefill=ranks[0]["prefill_s"], decode=ranks[0]["decode_s"])
+    out = []
+    for r in ranks:
+        seconds = [s for _, s in r["passes"]]
+        busy = dict(prefill=sum(seconds[first:mid]), decode=sum(seconds[mid:end]))
+        out.append({k: busy[k] / walls[k] for k in walls})
+    return out
+
+
+def _link_us(bytes_per_token: float, messages: float, latency_us: float) -> float:
+    return bytes_per_token * 8 / LINK_BITS_PER_S * 1e6 + messages * latency_us
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m deltaserve.bench.dist", description=__doc__.splitlines()[0])
     p.add_argument("model")
-    p.add_argument("--pp", type=int, default=2, help="pipeline stages (default 2)")
-    p.add_argument("--tp", type=int, default=1, help="tensor shards instead (then give --pp 1)")
+    p.add_argument("--ranks", type=int, default=2, help="ranks of each split (default 2)")
+    p.add_argument("--splits", default="pp,tp", help="which splits to run, of pp and tp (default both)")
     p.add_argument("--prompt", type=int, default=512, help="prefill tokens (default 512)")
     p.add_argument("--decode", type=int, default=64, help="decode steps (default 64)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads in all (default: every core)")
+    p.add_argument("--latency-us", type=float, default=25.0,
+                   help="one-way latency of the link whose cost is estimated (default 25 us, TCP on 10 GbE)")
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    report = dict(model=args.model, threads=args.threads, load_average=os.getloadavg(),
-                  single=_run(_single, args, 1)[0], pipeline=_run(_rank, args, max(args.pp, args.tp), (port,)))
-    one, many = report["single"], report["pipeline"]
-    print(f"{'':14}{'prefill tok/s':>15}{'decode tok/s':>14}{'peak RSS MB (per rank)':>26}")
-    print(f"{'1 process':14}{one['prefill_tok_s']:15.1f}{one['decode_tok_s']:14.2f}{one['peak_rss_mb']:26.0f}")
-    rss = " / ".join(f"{r['peak_rss_mb']:.0f}" for r in many)
-    split = f"--pp {args.pp}" if args.pp > 1 else f"--tp {args.tp}"
-    print(f"{split:14}{many[0]['prefill_tok_s']:15.1f}{many[0]['decode_tok_s']:14.2f}{rss:>26}")
-    what = "hidden states" if args.pp > 1 else "logit shards (the all-reduces, README's table, not counted)"
-    print(f"decode: {many[0]['bytes_per_token']:.0f} bytes of {what} a token in and out of rank 0 (the "
-          f"commands' few hundred bytes not counted); on a 10 Gb/s link {many[0]['link_us_per_token']:.1f} us a "
-          f"token of transfer time, before each hop's latency. Load average {report['load_average'][0]:.2f} (a loaded machine "
-          f"slows both alike).")
+    splits = [s for s in args.splits.split(",") if s]
+    if args.ranks < 2 or any(s not in ("pp", "tp") for s in splits):
+        p.error("--ranks must be at least 2 and --splits a list of pp and tp")
+    report = dict(model=args.model, ranks=args.ranks, threads=args.threads, cpus=os.cpu_count(),
+                  prompt=args.prompt, decode=args.decode, latency_us=args.latency_us,
+                  command=" ".join([sys.executable, "-m", "deltaserve.bench.dist", *sys.argv[1:]]),
+                  load_average_before=os.getloadavg())
+    report["single"] = _run(_single, args, 1)[0]
+    for split in splits:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ranks = _run(_rank, args, args.ranks, (split, port))
+        if "skipped" in ranks[0]:
+            report[split] = dict(skipped=ranks[0]["skipped"])
+            continue
+        if split == "pp":
+            ranks[0]["stage_busy"] = _stage_busy(ranks)
+        for r in ranks:
+            r.pop("passes", None)
+        report[split] = dict(ranks=ranks)
+    report["load_average_after"] = os.getloadavg()
+    _print(report, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return report
+
+
+def _print(report: dict, args) -> None:
+    N = args.ranks
+    head = (f"{'':12}{'prefill tok/s':>14}{'decode tok/s':>13}{'bytes/token':>13}{'messages':>10}"
+            f"{'10 Gb/s us/token':>18}{'peak RSS MB a rank':>20}{'stage busy (decode)':>22}")
+    print(head)
+    one = report["single"]
+    print(f"{'1 process':12}{one['prefill_tok_s']:14.1f}{one['decode_tok_s']:13.2f}{'':13}{'':10}{'':18}"
+          f"{one['peak_rss_mb']:20.0f}")
+    for split in ("pp", "tp"):
+        if split not in report:
+            continue
+        name = f"--{split} {N}"
+        if "skipped" in report[split]:
+            print(f"{name:12}skipped: {report[split]['skipped']}")
+            continue
+        ranks = report[split]["ranks"]
+        r0 = ranks[0]
+        link = _link_us(r0["bytes_per_token"], r0["messages_per_token"], args.latency_us)
+        rss = " / ".join(f"{r['peak_rss_mb']:.0f}" for r in ranks)
+        busy = " / ".join(f"{b['decode']:.0%}" for b in r0.get("stage_busy", []))
+        print(f"{name:12}{r0['prefill_tok_s']:14.1f}{r0['decode_tok_s']:13.2f}{r0['bytes_per_token']:13.0f}"
+              f"{r0['messages_per_token']:10.0f}{link:18.1f}{rss:>20}{busy:>22}")
+    la = report["load_average_before"], report["load_average_after"]
+    prefill = [f"--{s} {report[s]['ranks'][0]['prefill_bytes_per_token']:.0f}" for s in ("pp", "tp")
+               if "ranks" in report.get(s, {})]
+    print(f"Decode figures; prefill moves {', '.join(prefill) or 'nothing'} bytes a prompt token. Link cost: bytes "
+          f"at 10 Gb/s plus {args.latency_us:g} us a sequential message. {report['cpus']} CPUs, {args.threads} "
+          f"threads in all; load average {la[0][0]:.2f} before, {la[1][0]:.2f} after (a loaded machine slows "
+          "every configuration alike).")
 
 
 if __name__ == "__main__":

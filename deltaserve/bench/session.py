@@ -3,12 +3,14 @@
     python -m deltaserve.bench.session MODEL.gguf [--against llama-server] [--turns 20] [--json out.json]
     deltaserve bench session MODEL.gguf --against llama-server
 
-Each server runs alone in its own process, one after the other, on the same scripted conversation: user
+Both servers run at once, each in its own process, the turns alternating between them (whatever else the
+machine runs weighs on both alike), on the same scripted conversation: user
 turns of a few thousand characters, tool results every few turns, the model's own answers (greedy,
 temperature 0) carried in the history, which the chat template re-renders without the thinking block its
 generation prompt opened, so every prompt leaves the previous one where the assistant's turn started.
-Reported per turn: prompt tokens, tokens actually prefilled (prompt minus those served from the cache),
-time to first token; and the whole conversation's wall time. With --restart, deltaserve is stopped
+Reported per turn: prompt tokens, tokens actually prefilled (prompt minus those served from the cache; the
+least share of the previous turn's prompt a turn reused is the figure for "only new tokens"),
+time to first token; and the whole conversation's time (the sum of its turns' request times). With --restart, deltaserve is stopped
 after the last turn and started again on the same --cache-dir, and answers one more turn.
 llama-server comes from `scripts/install-llama-cpp.sh server`; it runs with its defaults for hybrid
 models (context checkpoints on) and --jinja, so it renders the file's chat template too.
@@ -67,29 +69,34 @@ def _turn(http: httpx.Client, messages: list[dict], max_tokens: int) -> dict:
     prompt = usage.get("prompt_tokens", 0)
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     prefilled = timings["prompt_n"] if "prompt_n" in timings else prompt - (cached or 0)
-    return {"prompt_tokens": prompt, "prefilled": prefilled, "ttft": first if first is not None else
-            time.perf_counter() - start, "answer": "".join(text)}
+    end = time.perf_counter() - start
+    return {"prompt_tokens": prompt, "prefilled": prefilled, "ttft": first if first is not None else end,
+            "time": end, "answer": "".join(text)}
 
 
-def converse(url: str, turns: list[dict], max_tokens: int, history: list[dict] | None = None) -> tuple[list[dict], list[dict]]:
-    """Run the turns against a server; returns (per-turn results, the history)."""
-    history = list(history or [{"role": "system", "content": "You are a careful reader."}])
-    results = []
-    # a connection per turn: llama-server (cpp-httplib) closes a kept-alive connection after a few requests,
-    # and a turn sent on it just then fails with "server disconnected"
-    with httpx.Client(base_url=url, timeout=3600, limits=httpx.Limits(max_keepalive_connections=0)) as http:
-        for t in turns:
-            if t["tool"] is not None:  # a call the assistant made and its result (an id ties them together)
-                call = f"call_{len(history)}"
-                history.append({"role": "assistant", "content": "", "tool_calls": [
-                    {"id": call, "type": "function",
-                     "function": {"name": "find_line", "arguments": json.dumps({"query": t["user"][:40]})}}]})
-                history.append({"role": "tool", "tool_call_id": call, "content": t["tool"]})
-            history.append({"role": "user", "content": t["user"]})
-            r = _turn(http, history, max_tokens)
-            history.append({"role": "assistant", "content": r.pop("answer")})
-            results.append(r)
-    return results, history
+class Conversation:
+    """One server's side of the scripted conversation: its own history (its own answers), a turn at a time."""
+
+    def __init__(self, url: str, history: list[dict] | None = None):
+        self.url = url
+        self.history = list(history or [{"role": "system", "content": "You are a careful reader."}])
+        self.results: list[dict] = []
+
+    def turn(self, t: dict, max_tokens: int) -> dict:
+        if t["tool"] is not None:  # a call the assistant made and its result (an id ties them together)
+            call = f"call_{len(self.history)}"
+            self.history.append({"role": "assistant", "content": "", "tool_calls": [
+                {"id": call, "type": "function",
+                 "function": {"name": "find_line", "arguments": json.dumps({"query": t["user"][:40]})}}]})
+            self.history.append({"role": "tool", "tool_call_id": call, "content": t["tool"]})
+        self.history.append({"role": "user", "content": t["user"]})
+        # a connection per turn: llama-server (cpp-httplib) closes a kept-alive connection after a few
+        # requests, and a turn sent on it just then fails with "server disconnected"
+        with httpx.Client(base_url=self.url, timeout=3600, limits=httpx.Limits(max_keepalive_connections=0)) as http:
+            r = _turn(http, self.history, max_tokens)
+        self.history.append({"role": "assistant", "content": r.pop("answer")})
+        self.results.append(r)
+        return r
 
 
 class Server:
@@ -136,7 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("model", help="GGUF file with a chat template")
     p.add_argument("--against", choices=["llama-server", "none"], default="llama-server")
     p.add_argument("--turns", type=int, default=20)
-    p.add_argument("--chars", type=int, default=2600, help="characters per user turn (default 2600)")
+    p.add_argument("--chars", type=int, default=3200, help="characters per user turn (default 3200: 16k tokens by turn 20)")
     p.add_argument("--tool-every", type=int, default=4, help="a tool result every N turns (0: none)")
     p.add_argument("--max-tokens", type=int, default=24, help="tokens per answer (default 24)")
     p.add_argument("--ctx", type=int, default=24576, help="context of both servers (default 24576)")
@@ -150,21 +157,30 @@ def main(argv=None) -> int:
     cache_dir = tempfile.mkdtemp(prefix="deltaserve-session-")
     ours_cmd = [sys.executable, "-m", "deltaserve.cli", "serve", args.model, "--served-model-name", "m",
                 "--slots", "1", "-c", str(args.ctx), "--cache-dir", cache_dir]
-    runs = {}
-    for name, cmd in [("deltaserve", ours_cmd)] + ([("llama-server", llama_server_cmd(args.model, args.ctx, args.llama_flags.split()))]
-                                                   if args.against == "llama-server" else []):
-        server, start = Server(cmd, name), time.perf_counter()
+    cmds = [("deltaserve", ours_cmd)]
+    if args.against == "llama-server":
+        cmds.append(("llama-server", llama_server_cmd(args.model, args.ctx, args.llama_flags.split())))
+    # Both servers up at once, the turns alternating between them: whatever else runs on the machine
+    # weighs on both alike. A server idle between its turns takes no CPU.
+    servers = {}
+    try:
+        for name, cmd in cmds:
+            servers[name] = Server(cmd, name)
+        talks = {name: Conversation(server.url) for name, server in servers.items()}
+        for t in turns[:args.turns]:
+            for talk in talks.values():
+                talk.turn(t, args.max_tokens)
+    finally:
+        for server in servers.values():
+            server.stop()
+    runs = {name: {"turns": talk.results, "wall": sum(r["time"] for r in talk.results)} for name, talk in talks.items()}
+    if args.restart:
+        server = Server(ours_cmd, "deltaserve")
         try:
-            results, history = converse(server.url, turns[:args.turns], args.max_tokens)
-            runs[name] = {"turns": results, "wall": time.perf_counter() - start}
+            again = Conversation(server.url, talks["deltaserve"].history)
+            runs["deltaserve"]["after_restart"] = again.turn(turns[args.turns], args.max_tokens)
         finally:
             server.stop()
-        if name == "deltaserve" and args.restart:
-            server = Server(cmd, name)
-            try:
-                runs[name]["after_restart"] = converse(server.url, turns[args.turns:], args.max_tokens, history)[0][0]
-            finally:
-                server.stop()
     shutil.rmtree(cache_dir, ignore_errors=True)
     report(runs, args)
     return 0
@@ -183,8 +199,11 @@ def report(runs: dict, args) -> None:
     for n in names:
         r = runs[n]
         reused = 1 - sum(t["prefilled"] for t in r["turns"][1:]) / max(1, sum(t["prompt_tokens"] for t in r["turns"][1:]))
-        print(f"{n}: total {r['wall']:.1f} s, turn {args.turns} TTFT {r['turns'][-1]['ttft']:.3f} s, "
-              f"{100 * reused:.1f}% of turns 2.. served from the cache")
+        history = min((min(1.0, (t["prompt_tokens"] - t["prefilled"]) / before["prompt_tokens"])
+                       for before, t in zip(r["turns"], r["turns"][1:])), default=1.0)
+        print(f"{n}: total {r['wall']:.1f} s (its turns' request times), turn {args.turns} TTFT {r['turns'][-1]['ttft']:.3f} s, "
+              f"{100 * reused:.1f}% of turns 2.. served from the cache; each turn reused at least "
+              f"{100 * history:.1f}% of the previous prompt")
         if "after_restart" in r:
             t = r["after_restart"]
             print(f"{n} restarted on its cache dir: turn {args.turns + 1} prefilled {t['prefilled']} of "

@@ -213,13 +213,14 @@ class MadeModel:
 
 def make_model(arch: str, preset: str, dtype: str, out_path: str | Path, seed: int = 0,
                hf_dir: str | Path | None = None, progress: Callable[[str], None] | None = None,
-               quantize: str | None = None, mtp: bool = False) -> MadeModel:
+               quantize: str | None = None, mtp: bool = False, changes: Mapping | None = None) -> MadeModel:
     """Write a random-weight GGUF of `arch` ("qwen35", "qwen35moe", "qwen3next", "kimi-linear") at `preset`
     (see PRESETS) and `dtype` ("f32", "f16", "q8_0") to `out_path`, and with `hf_dir` the same weights as a
     Hugging Face directory (config.json, model.safetensors, tokenizer files). The same arguments and seed
     give the same weights whatever the dtype. With `quantize` (a QUANTIZE_TYPES name: "Q4_K_M", "IQ4_XS",
     ...) the f32 / f16 file is then quantised by llama.cpp's quantiser (llama-cpp-python must be installed).
-    mtp: with a random multi-token-prediction layer (Qwen families), written as llama.cpp's converter writes it."""
+    mtp: with a random multi-token-prediction layer (Qwen families), written as llama.cpp's converter writes it.
+    changes: config fields to set other than the preset does (odd shapes for tests: {"linear_k_heads": 2})."""
     if dtype not in DTYPES:
         raise DeltaserveError(f"unknown dtype '{dtype}' (known: {', '.join(DTYPES)})")
     if quantize is not None and (quantize not in QUANTIZE_TYPES or dtype == "q8_0"):
@@ -227,6 +228,11 @@ def make_model(arch: str, preset: str, dtype: str, out_path: str | Path, seed: i
                               f"got {quantize!r} from {dtype}")
     tokenizer = train_tokenizer(arch=arch)
     config = preset_config(arch, preset, tokenizer.vocab_size)
+    if changes:
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(config)})
+        if unknown:
+            raise DeltaserveError(f"{arch} has no config field {', '.join(unknown)}")
+        config = dataclasses.replace(config, **changes)
     if mtp:
         if not hasattr(config, "mtp_layers"):
             raise DeltaserveError(f"{arch} has no multi-token-prediction layer")

@@ -33,7 +33,7 @@ _LAST_QUERY = """
 {%- for m in messages %}
 {%- if m.role == 'user' %}{% set text = (m.content or '') | trim %}
 {%- if not (text.startswith('<tool_response>') and text.endswith('</tool_response>')) %}
-{%- set query.index, query.found = loop.index0, true %}{% endif %}
+{%- set query.index = loop.index0 %}{% set query.found = true %}{% endif %}
 {%- endif %}{% endfor %}"""
 
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from gguf import GGMLQuantizationType as Q
 
 from deltaserve.dist import group
 from deltaserve.dist.group import DistributedError, Link
@@ -28,7 +27,6 @@ from deltaserve.models import load_model
 from deltaserve.tokenizer import Tokenizer
 
 LOAD_TIMEOUT_S = 3600  # ranks load their parts at their own pace: the first pass waits for the slowest
-_FLOAT_TYPES = (Q.F32, Q.F64, Q.F16, Q.BF16)
 
 
 def join(path: str | Path, *, pp: int = 1, tp: int = 1, dtype: torch.dtype = torch.float32,
@@ -42,13 +40,10 @@ def join(path: str | Path, *, pp: int = 1, tp: int = 1, dtype: torch.dtype = tor
     world_size = max(pp, tp)
     rank = group.join(world_size, timeout_s, "--pp" if pp > 1 else "--tp")
     ckpt = open_checkpoint(Path(path))
-    if tp > 1 and hasattr(ckpt, "qtype") and any(ckpt.qtype(n) not in _FLOAT_TYPES for n in ckpt.names()):
-        raise DeltaserveError(f"--tp needs a float file (f32, f16, bf16): {path} is quantised, and quantised "
-                              "blocks are not sliced yet (use --pp)")
     part = StagePart(rank, world_size) if pp > 1 else TensorPart(rank, world_size)
     model = load_model(ckpt, dtype=dtype, kv_dtype=kv_dtype, part=part)
     if tp > 1:
-        sum_outputs(model)
+        sum_outputs(model, part)
     try:
         dist.monitored_barrier(timeout=timedelta(seconds=max(timeout_s, LOAD_TIMEOUT_S)), wait_all_ranks=True)
     except Exception as e:

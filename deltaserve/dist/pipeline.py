@@ -2,11 +2,14 @@
 
 A forward pass carries the hidden states rank to rank, 0 -> 1 -> ... -> N-1 -> 0 (point to point, E values
 a token each hop); rank 0 ends it with the final norm and the head. The stages take turns: there is no
-micro-batching, so N ranks on one machine run no faster than one process, and across machines the model
-fits where it did not.
+micro-batching (README: why, and what the stages' measured idle time says it would gain), so N ranks on
+one machine run no faster than one process, and across machines the model fits where it did not.
 """
 
 from __future__ import annotations
+
+import time
+from collections import deque
 
 import torch
 
@@ -16,6 +19,21 @@ from deltaserve.dist.stage import Stage, stage_forward, stage_state
 from deltaserve.models.base import HybridModel
 from deltaserve.models.common import lm_logits
 from deltaserve.models.state import HybridState
+
+
+class StageClock:
+    """This process's (one rank's) recent passes: (tokens, seconds spent running its own stage) each. Beside
+    a pass's wall time on rank 0, the rest of it is the time the stage waited on the others: what
+    micro-batching would fill (python -m deltaserve.bench.dist reports it)."""
+
+    def __init__(self, keep: int = 4096):
+        self.passes: deque[tuple[int, float]] = deque(maxlen=keep)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.passes.append((tokens, seconds))
+
+
+CLOCK = StageClock()  # one rank a process
 
 
 class PipelineModel(SpreadModel):
@@ -38,10 +56,15 @@ class PipelineModel(SpreadModel):
             N, T = input_ids.shape
             shape = (N, self.config.hidden_size) if logits == "last" else (N, T, self.config.hidden_size)
             with self.link.command("forward", slots.tolist(), T, logits, snapshots):
+                began = time.perf_counter()
                 h = stage_forward(self.inner, input_ids, state.local, slots, snapshots, self.stage)
+                busy = time.perf_counter() - began
                 self.link.send([h], 1)
                 h, = self.link.recv([(shape, self.compute_dtype)], self.world_size - 1)
-            return lm_logits(self.inner, self.inner.norm(h))
+            began = time.perf_counter()
+            out = lm_logits(self.inner, self.inner.norm(h))
+            CLOCK.add(N * T, busy + time.perf_counter() - began)
+            return out
 
 
 def work_stage(model: HybridModel, stage: Stage, timeout_s: float) -> None:
@@ -49,7 +72,9 @@ def work_stage(model: HybridModel, stage: Stage, timeout_s: float) -> None:
 
     def forward(state: HybridState, slots: list[int], T: int, logits: str, snapshots: int) -> None:
         h, = group.recv([((len(slots), T, model.config.hidden_size), model.compute_dtype)], stage.rank - 1)
+        began = time.perf_counter()
         h = stage_forward(model, h, state, torch.tensor(slots, dtype=torch.long), snapshots, stage)
+        CLOCK.add(len(slots) * T, time.perf_counter() - began)
         if stage.last:
             group.send([h[:, -1] if logits == "last" else h], 0)
         else:

@@ -86,12 +86,17 @@ class SpreadState:
         """Copies, whatever `copy` says: the other ranks' rows arrive as new tensors, and rank 0's are copied
         so that no checkpoint holds a view of part of a layer."""
         k, v = self.local.read_kv(slot, start, end)
+        if self.model.kv_shared:  # every rank has these rows
+            return k, v
         with self.link.command("read_kv", slot, start, end):
             return self._gather(k, v, end - start, KV_AXIS, KV_AXIS)
 
     def write_kv(self, slot: int, start: int, k, v) -> None:
         rows = next(t.shape[0] for t in k if t is not None)
-        k, v = self._pieces(k, KV_AXIS), self._pieces(v, KV_AXIS)
+        if self.model.kv_shared:
+            k, v = [k] * self.model.world_size, [v] * self.model.world_size
+        else:
+            k, v = self._pieces(k, KV_AXIS), self._pieces(v, KV_AXIS)
         self.local.write_kv(slot, start, k[0], v[0])
         with self.link.command("write_kv", slot, start, rows):
             for r in range(1, self.model.world_size):
@@ -139,6 +144,7 @@ class SpreadModel(nn.Module, ABC):
         self.compute_dtype, self.cache_dtype = inner.compute_dtype, inner.cache_dtype
         self.supports_snapshots = inner.supports_snapshots
         self.supports_training = False
+        self.kv_shared = False  # whether every rank keeps the whole KV rows (then a checkpoint takes rank 0's)
 
     @abstractmethod
     def held(self, rank: int) -> range:

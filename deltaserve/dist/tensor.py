@@ -1,21 +1,20 @@
-"""Tensor parallel: every rank holds every layer, a 1/N share of each by heads and columns.
+"""Tensor parallel: every rank holds every layer, a 1/N share of each by heads, columns and experts.
 
-Gated DeltaNet layers split by groups of key heads with their value heads (rank n: key heads n*H/N ..,
-value heads n*HV/N ..; their conv channels, decay and step size follow), attention by KV-head groups with
-their query heads, MLPs by intermediate columns, the embedding and the head by vocabulary rows. Each rank's
-output projections (out_proj, o_proj, down) give a partial sum: one all-reduce after each mixer and each
-MLP makes it whole, and the embedding's rows (zero on the ranks that do not hold a token) are summed the
-same way. The state splits with the heads. Every rank runs the same pass on the same tokens (rank 0
-broadcasts them); rank 0 gathers the head's vocabulary shards.
+What each family's layers split by is in dist/tensor_plan.py. Each rank's output projections (out_proj,
+o_proj, down, its experts) give a partial sum: one all-reduce after each mixer and each MLP or MoE makes it
+whole, and the embedding's rows (zero on the ranks that do not hold a token) are summed the same way. The
+state splits with the heads (Kimi's MLA latent cache, every head's, is kept whole on every rank). Every rank
+runs the same pass on the same tokens (rank 0 broadcasts them); rank 0 gathers the head's vocabulary shards.
 
-So far for dense Qwen3.5 (qwen35) in float files: MoE layers and Kimi's layers are not split yet, and
-quantised blocks are not sliced.
+Quantised files stay in their blocks: a row share (output features) is whole rows; a column share (input
+features of an output projection) must fall on the blocks of 32 or 256 values that share a scale, or the
+load stops with an error naming the tensor and the block size (models/packed.take_columns). A fallback that
+split such a matrix by rows instead would need its sharded input gathered whole on every rank first and its
+output gathered after: two collectives where one all-reduce serves, for a shape that any other --tp avoids.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import re
 
 import torch
@@ -24,7 +23,9 @@ from torch import nn
 
 from deltaserve.dist import group
 from deltaserve.dist.spread import SpreadModel, SpreadState, work
+from deltaserve.dist.tensor_plan import TRUNK, WHOLE, Share, kv_shared, layer_shares, small_model
 from deltaserve.errors import DeltaserveError
+from deltaserve.models import packed
 from deltaserve.models.base import HybridModel
 from deltaserve.models.common import dense, lm_logits
 from deltaserve.models.layers import embed_tokens
@@ -38,67 +39,72 @@ class TensorPart:
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self.full = None  # the checkpoint's config, set by cut
+        self.shares: dict[str, Share] = {}
+        self.kv_shared = False
+        self.reduced = self.reductions = 0  # bytes this rank put into all-reduces so far, and how many
 
     def cut(self, model: HybridModel) -> HybridModel:
-        cfg, N = model.config, self.world_size
-        if getattr(cfg, "arch", None) != "qwen35" or "moe" in cfg.ffn_types:
-            raise DeltaserveError(f"--tp splits dense Qwen3.5 (qwen35) models so far, not "
-                                  f"{getattr(cfg, 'arch', type(model).__name__)}: use --pp")
-        sizes = dict(linear_k_heads=cfg.linear_k_heads, linear_v_heads=cfg.linear_v_heads, num_heads=cfg.num_heads,
-                     num_kv_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size)
-        odd = [f"{k} {v}" for k, v in sizes.items() if v % N]
-        if odd:
-            raise DeltaserveError(f"--tp {N} must divide the model's head counts and MLP width: {', '.join(odd)}")
-        self.full = cfg
-        small = dataclasses.replace(cfg, **{k: v // N for k, v in sizes.items()},
-                                    vocab_size=math.ceil(cfg.vocab_size / N))
-        with torch.device("meta"):
-            return type(model)(small, compute_dtype=model.compute_dtype,
-                               cache_dtype=model.cache_dtype).requires_grad_(False)
+        self.full, self.shares, self.kv_shared = model.config, layer_shares(model), kv_shared(model)
+        return small_model(model, self.rank, self.world_size)
 
-    def shard(self, name: str, t) -> torch.Tensor:
-        """This rank's share of parameter `name` (t: the whole, float32 or Rows). Row shares are sliced from
-        Rows, so only this rank's rows are read and widened (not a whole 248k-row embedding in float32)."""
-        cfg, n, N = self.full, self.rank, self.world_size
-        if name in ("embed.weight", "lm_head.weight"):
-            per = math.ceil(cfg.vocab_size / N)
-            rows = t[n * per:min((n + 1) * per, cfg.vocab_size)]
-            pad = rows.new_zeros(per - rows.shape[0], rows.shape[1])  # the last rank's rows past the vocabulary
-            return torch.cat([rows, pad]) if pad.shape[0] else rows
+    def share(self, name: str) -> Share:
         m = re.fullmatch(r"layers\.\d+\.(.+)", name)
-        rest = m.group(1) if m else ""
-        qk, v = cfg.linear_k_heads * cfg.linear_k_dim, cfg.linear_v_heads * cfg.linear_v_dim
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        split_rows = {"mixer.in_proj.weight": [qk, qk, v, v, cfg.linear_v_heads, cfg.linear_v_heads],
-                      "mixer.conv_weight": [qk, qk, v], "mixer.dt_bias": [cfg.linear_v_heads],
-                      "mixer.A": [cfg.linear_v_heads], "mixer.qkv_proj.weight": [q, q, kv, kv],
-                      "ffn.gate_up.weight": [cfg.intermediate_size] * 2}
-        if rest in split_rows:  # each block of rows (q | k | v | ...) gives this rank its share
-            starts = [sum(split_rows[rest][:i]) for i in range(len(split_rows[rest]))]
-            return torch.cat([t[s + n * size // N:s + (n + 1) * size // N]
-                              for s, size in zip(starts, split_rows[rest])])
-        if rest in ("mixer.out_proj.weight", "mixer.o_proj.weight", "ffn.down.weight"):
-            return dense(t).chunk(N, dim=1)[n]
-        return dense(t)  # norms: every rank needs them whole
+        return self.shares.get(m.group(1), WHOLE) if m else TRUNK.get(name, WHOLE)
+
+    def shard(self, name: str, t, block: int = 1, source: str = ""):
+        """This rank's share of parameter `name`. t: the whole, float32 or Rows (row shares are sliced from
+        Rows, so only this rank's rows are read and widened), or packed in the file's blocks (the share stays
+        packed). block: the values that share a scale in the form a float share is then stored in (a Q8_0
+        file's 32): a column share must fall on those blocks. source: the file's tensors, for errors."""
+        share, n, N = self.share(name), self.rank, self.world_size
+        is_packed = packed.is_packed(t)
+        shape = t.packing.shape if is_packed else t.shape
+        if share.columns:
+            K = shape[-1]
+            lo, hi = n * K // N, (n + 1) * K // N
+            if is_packed:
+                return packed.take_columns(t, lo, hi, f"{name} ({source})")
+            if (K // N) % block:
+                raise DeltaserveError(f"{name} ({source}): --tp {N} gives each rank {K // N} of its {K} columns, "
+                                      f"not whole blocks of {block} values sharing a scale; use another --tp or --pp")
+            return dense(t)[..., lo:hi]
+        if share is WHOLE:
+            return t if is_packed else dense(t)
+        ranges = share.ranges(n, N, shape[0])
+        pad = -(-shape[0] // N) - (ranges[0][1] - ranges[0][0]) if share.vocab else 0
+        if is_packed and len(shape) > 2:  # stacked matrices: this rank's experts
+            (lo, hi), = ranges
+            return packed.take_matrices(t, lo, hi)
+        if is_packed:
+            return packed.take_rows(t, ranges, pad)
+        pieces = [t[a:b] for a, b in ranges] + ([torch.zeros(pad, *shape[1:])] if pad else [])
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
 class Summed(nn.Module):
-    """A mixer or an MLP whose output (the first of a tuple) is summed over the ranks in place."""
+    """A mixer or an MLP whose output (the first of a tuple) is summed over the ranks in place; `part.reduced`
+    counts the bytes each rank puts into all-reduces."""
 
-    def __init__(self, inner: nn.Module):
+    def __init__(self, inner: nn.Module, part: TensorPart):
         super().__init__()
-        self.inner = inner
+        self.inner, self.part = inner, part
 
     def forward(self, *args, **kwargs):
         out = self.inner(*args, **kwargs)
-        dist.all_reduce(out[0] if isinstance(out, tuple) else out)
+        all_reduce(out[0] if isinstance(out, tuple) else out, self.part)
         return out
 
 
-def sum_outputs(model: HybridModel) -> None:
+def all_reduce(t: torch.Tensor, part: TensorPart) -> None:
+    dist.all_reduce(t)
+    part.reduced += t.numel() * t.element_size()
+    part.reductions += 1
+
+
+def sum_outputs(model: HybridModel, part: TensorPart) -> None:
     """After loading: one all-reduce after each output projection (mixers and MLPs)."""
     for layer in model.layers:
-        layer.mixer, layer.ffn = Summed(layer.mixer), Summed(layer.ffn)
+        layer.mixer, layer.ffn = Summed(layer.mixer, part), Summed(layer.ffn, part)
 
 
 def tp_forward(model: HybridModel, part: TensorPart, ids: torch.Tensor, state: HybridState, slots: torch.Tensor,
@@ -116,7 +122,7 @@ def tp_forward(model: HybridModel, part: TensorPart, ids: torch.Tensor, state: H
         local = ids - part.rank * per
         mine = (local >= 0) & (local < per)
         h = embed_tokens(model.embed.weight, local.clamp(0, per - 1), model.compute_dtype) * mine[..., None]
-        dist.all_reduce(h)
+        all_reduce(h, part)
         h = model.run_layers(h, rope, state, slots, start, snaps, range(n))
         state.lengths[slots] = start + T
         state.snapshots = snaps
@@ -126,7 +132,7 @@ def tp_forward(model: HybridModel, part: TensorPart, ids: torch.Tensor, state: H
 class TensorModel(SpreadModel):
     def __init__(self, inner: HybridModel, part: TensorPart, link: group.Link):
         super().__init__(inner, link, part.world_size, config=part.full)
-        self.part = part
+        self.part, self.kv_shared = part, part.kv_shared
 
     def held(self, rank: int) -> range:
         return range(len(self.inner.layers))

@@ -15,7 +15,7 @@ from deltaserve.errors import DeltaserveError, ModelLoadError
 from deltaserve.loader.gguf_file import progress_bar
 from deltaserve.loader.memory import loading_memory, weight_empty
 from deltaserve.models import packed
-from deltaserve.models.layers import Experts, Linear, linear, quantize_q8
+from deltaserve.models.layers import Q8_BLOCK, Experts, Linear, linear, quantize_q8
 from deltaserve.models.weights import available, chosen, load_params, names
 
 
@@ -64,7 +64,7 @@ def build(cls, ckpt, *, dtype: torch.dtype, device, weight_dtype: torch.dtype | 
     with progress_bar(total, f"loading {Path(ckpt.path).name}") as bar, loading_memory():
         for p in table:  # one tensor at a time: the file's copy is never held whole
             if file_form and p.name not in keep:
-                params[p.name] = _file_form(p, ckpt, fmt, p.name in matmul, device)
+                params[p.name] = _file_form(p, ckpt, fmt, p.name in matmul, device, part)
             else:
                 (_, t), = load_params([p], ckpt, fmt)
                 t = t if part is None else part.shard(p.name, t)
@@ -74,22 +74,27 @@ def build(cls, ckpt, *, dtype: torch.dtype, device, weight_dtype: torch.dtype | 
     return model.eval()
 
 
-def _file_form(p, ckpt, fmt: str, matmul: bool, device) -> torch.Tensor:
+def _file_form(p, ckpt, fmt: str, matmul: bool, device, part=None) -> torch.Tensor:
     """Parameter `p` kept as the file stores it, where linear() reads that form (`matmul`): the file's GGML blocks
     (models/packed.py) where the kernels read their types, else Q8_0 (int8 + scales) where the values are
     exactly that; float16 where that is exact, or where the file holds it in a quantisation coarser than Q8_0
-    (a rounding far below the quantisation's own; a Q8_0 file's values never change); else float32."""
+    (a rounding far below the quantisation's own; a Q8_0 file's values never change); else float32.
+    part: as build's; its share is taken of the packed blocks, or of the values before they are stored."""
     layout = chosen(getattr(p, fmt), ckpt.has) if getattr(p, fmt) is not None else None
+    typed = layout is not None and hasattr(ckpt, "qtype")
+    source = ", ".join(f"{n} {ckpt.qtype(n).name}" if typed else n for n in names(layout)) if layout else ""
     if matmul and layout is not None:
         w = packed.read(layout, ckpt)
         if w is not None:
-            return w
+            return w if part is None else part.shard(p.name, w, source=source)
     (_, t), = load_params([p], ckpt, fmt)
+    if part is not None:  # a Q8_0 file's matrix stays in its blocks of 32: a column share must fall on them
+        q8 = matmul and typed and all(ckpt.qtype(n) == Q.Q8_0 for n in names(layout))
+        t = part.shard(p.name, t, block=Q8_BLOCK if q8 else 1, source=source)
     w = quantize_q8(t) if matmul else None
     if w is not None:
         return w
-    coarse = layout is not None and hasattr(ckpt, "qtype") and all(
-        ckpt.qtype(n) not in _EXACT_TYPES for n in names(layout))
+    coarse = typed and all(ckpt.qtype(n) not in _EXACT_TYPES for n in names(layout))
     return _store(t, torch.float16 if coarse or _fits(t, torch.float16) else torch.float32, device)
 
 

@@ -359,23 +359,28 @@ def part(weight: torch.Tensor, index) -> torch.Tensor:
 
 
 class Experts(nn.Module):
-    """n SwiGLU experts as stacked matrices: gate_up [n, 2I, hidden] (gate rows first), down [n, hidden, I]."""
+    """n SwiGLU experts as stacked matrices: gate_up [n, 2I, hidden] (gate rows first), down [n, hidden, I].
+    first: the router's number of the first (a tensor-parallel rank holds experts first .. first + n - 1, and
+    leaves the tokens' assignments to the others out: their ranks add them)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, first: int = 0):
         super().__init__()
+        self.first = first
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [M, hidden]; ids, weights [M, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x), [M, hidden]."""
-        k = ids.shape[1]
+        """x [M, hidden]; ids, weights [M, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x) over the experts
+        held, [M, hidden]."""
+        k, n = ids.shape[1], self.gate_up.shape[0]
         flat = ids.flatten()
         order = flat.argsort()  # assignments grouped by expert
         tokens = order // k
-        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.first + n).tolist()
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        begin = 0
-        for e, count in enumerate(counts):
+        begin = sum(counts[:self.first])  # the held experts' assignments follow those of lower numbers
+        for e in range(n):
+            count = counts[self.first + e]
             if count == 0:
                 continue
             rows = tokens[begin:begin + count]

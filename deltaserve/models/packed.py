@@ -17,6 +17,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from torch import nn
 
+from deltaserve.errors import DeltaserveError
 from deltaserve.loader import quants
 from deltaserve.loader.memory import weight_empty
 from deltaserve.models.weights import IDENTITY, Cat, Leaf, Layout
@@ -115,6 +116,65 @@ def part(w: torch.Tensor, index: int) -> torch.Tensor:
     out = w[index]
     out.packing = w.packing.matrix
     return out
+
+
+def take_rows(w: torch.Tensor, ranges, pad: int = 0) -> nn.Parameter:
+    """Rows of packed matrix w (2-D) in its own blocks: each (start, end) of `ranges` in turn, then `pad` rows
+    of zero bytes (every type in TYPES reads zero scales as zero weights). A tensor-parallel rank's share of
+    the output features."""
+    pk = w.packing
+    K = pk.shape[-1]
+    pieces, segments = [], []
+    for start, end in ranges:
+        for qtype, first, last, offset in pk.table.tolist():
+            a, b = max(start, first), min(end, last)
+            if a < b:
+                size = row_bytes(Q(qtype), K)
+                pieces.append(w[offset + (a - first) * size:offset + (b - first) * size])
+                segments.append((Q(qtype), b - a))
+    if pad:
+        qtype = segments[-1][0] if segments else pk.segments[-1][0]
+        pieces.append(torch.zeros(pad * row_bytes(qtype, K), dtype=torch.uint8))
+        segments.append((qtype, pad))
+    merged = []
+    for qtype, n in segments:  # neighbouring runs of one type are one segment
+        if merged and merged[-1][0] == qtype:
+            merged[-1] = (qtype, merged[-1][1] + n)
+        else:
+            merged.append((qtype, n))
+    packing = Packing(tuple(merged), (sum(n for _, n in merged), K), pk.x_index)
+    return parameter(torch.cat(pieces), packing)
+
+
+def take_columns(w: torch.Tensor, start: int, end: int, name: str = "") -> nn.Parameter:
+    """Held columns start:end of packed matrix w (2-D), as whole blocks of the file's: a tensor-parallel rank's
+    share of the input features. The file columns they are (in file order where x_index reorders them) must
+    fill whole blocks of each type's block size; otherwise a DeltaserveError names the tensor (`name`) and the
+    block size: a block's weights share one scale and cannot be parted."""
+    pk = w.packing
+    N, K = pk.shape
+    held = pk.x_index if pk.x_index is not None else torch.arange(K)  # each file column's held column
+    keep = (held >= start) & (held < end)
+    x_index = held[keep] - start
+    pieces = []
+    for qtype, first, last, offset in pk.table.tolist():
+        block, size = GGML_QUANT_SIZES[Q(qtype)]
+        count = keep.view(K // block, block).sum(-1)
+        if bool(((count > 0) & (count < block)).any()):
+            raise DeltaserveError(f"{name or 'a packed matrix'}: columns {start}:{end} of {K} do not fall on "
+                                  f"{Q(qtype).name} block boundaries ({block} values a block share a scale): "
+                                  "this --tp does not split it (try another --tp, --pp, or a float or Q8_0 file)")
+        rows = w[offset:offset + (last - first) * row_bytes(Q(qtype), K)].view(last - first, K // block, size)
+        pieces.append(rows[:, count == block].reshape(-1))
+    ordered = torch.equal(x_index, torch.arange(end - start))
+    packing = Packing(pk.segments, (N, end - start), None if ordered else x_index)
+    return parameter(torch.cat(pieces), packing)
+
+
+def take_matrices(w: torch.Tensor, start: int, end: int) -> nn.Parameter:
+    """Matrices start:end of stacked packed matrices (experts), copied: the whole stack can then be freed."""
+    pk = w.packing
+    return parameter(w[start:end].clone(), Packing(pk.segments, (end - start, *pk.shape[1:]), pk.x_index))
 
 
 def rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -199,8 +199,8 @@ def test_a_long_prompt_keeps_checkpoints_sparser_with_depth_and_dense_at_its_end
     prompt = rand(model, 40 * EVERY, seed=11)
     slot, _, logits = prefill(runner, prompt)
     kept = sorted(b.end // EVERY for b in runner.cache.store.blocks if b.recurrent is not None)
-    # every interval to 8, then every 2nd to 16, every 4th to 32; the last 4 intervals of the prompt all
-    assert kept == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 37, 38, 39, 40]
+    # every interval to 4, then 6, 8, 12, 16, 24, 32 (the stride doubles every two); the last 4 intervals all
+    assert kept == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 37, 38, 39, 40]
     assert len(runner.cache.store.blocks) == 40  # the KV rows of every block, for restoring any of them
     torch.testing.assert_close(logits, fresh_logits(model, prompt), atol=1e-4, rtol=1e-4)
     runner.release(slot)

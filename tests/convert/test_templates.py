@@ -152,3 +152,51 @@ def test_presets_render_like_the_real_templates(arch, real, case):
     elif system:
         assert our_system.startswith(f"<|im_start|>system\n{system}\n\n# Tools") and their_system.startswith(
             f"<|im_start|>system\n{system}\n\n# Tools")
+
+
+def _llama_server() -> str | None:
+    import shutil
+    import sys
+
+    found = shutil.which("llama-server") or str(Path(sys.executable).with_name("llama-server"))
+    return found if Path(found).exists() else None
+
+
+@pytest.mark.skipif(_llama_server() is None, reason="llama-server is not installed (scripts/install-llama-cpp.sh server)")
+@pytest.mark.parametrize("arch", EXPECTED)
+def test_llama_servers_template_engine_renders_the_same_text(arch, tmp_path):
+    """The presets' files run in llama.cpp too: its own Jinja engine (not Python's jinja2) parses the template
+    and renders the conversation as written above."""
+    import json
+    import socket
+    import subprocess
+    import time
+
+    import httpx
+
+    path = tmp_path / "m.gguf"
+    make_model(arch, "tiny", "f16", path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([_llama_server(), "-m", str(path), "-c", "512", "--jinja", "-t", "1", "--host",
+                             "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode(errors="replace")[-2000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "llama-server did not start"
+            time.sleep(0.3)
+        history = [dict(m, tool_calls=[dict(c, function=dict(c["function"], arguments=json.dumps(c["function"]["arguments"])))
+                                       for c in m["tool_calls"]]) if "tool_calls" in m else m for m in HISTORY]
+        reply = httpx.post(url + "/apply-template", json={"messages": history, "tools": TOOLS}, timeout=30)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["prompt"] == EXPECTED[arch]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -1,8 +1,9 @@
 """Pipeline and tensor parallel over 2 processes (gloo over loopback) against the whole model in one process.
 
-Each family's tiny float32 file in 2 stages, and qwen35 tiny256 (head counts that 2 divides) in 2 shards:
-logits of prefill, decode and verify within 1e-5, rollback, batched ==
-alone, greedy generation with prefix checkpoints restored and n-gram speculation (tests/dist/ranks.py).
+Each family's tiny float32 file (head counts that 2 divides) in 2 stages and in 2 tensor shards: logits of
+prefill, decode and verify within 1e-5 (of the logits' scale for shards, see ranks.assert_same), the state a
+checkpoint gathers, rollback, batched == alone, greedy generation with prefix checkpoints restored and
+n-gram speculation (tests/dist/ranks.py).
 Then a rank that dies or hangs: rank 0 gets a DistributedError within the timeout, and at once after it.
 """
 
@@ -36,27 +37,40 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("arch", ARCHES)
-def test_two_stages_match_one_process(arch, model_path):
-    mp.spawn(ranks.check_family, args=(str(model_path(arch)), _port(), "pp"), nprocs=2)
+# tiny's shapes with head counts 2 divides (tiny has 3 key heads), still odd: hidden 96, K 32 != V 48,
+# HV = 2H; Kimi with 5 experts, so its ranks hold 2 and 3
+EVEN_HEADS = {"qwen35": dict(linear_k_heads=2, linear_v_heads=4, linear_v_dim=48),
+              "kimi-linear": dict(kda_heads=2, num_heads=2, num_experts=5)}
 
 
 @pytest.fixture(scope="module")
-def tiny256(tmp_path_factory):
-    return make_model("qwen35", "tiny256", "f32", tmp_path_factory.mktemp("tp") / "qwen35-256.gguf", seed=4).gguf_path
+def two_way(tmp_path_factory):
+    """arch -> a tiny float32 file both splits cut in 2 (made once)."""
+    root, made = tmp_path_factory.mktemp("two-way"), {}
+
+    def get(arch: str):
+        if arch not in made:
+            changes = EVEN_HEADS["kimi-linear" if arch == "kimi-linear" else "qwen35"]
+            made[arch] = make_model(arch, "tiny", "f32", root / f"{arch}.gguf", seed=3, changes=changes).gguf_path
+        return made[arch]
+    return get
 
 
-def test_two_tensor_shards_match_one_process(tiny256):
-    mp.spawn(ranks.check_family, args=(str(tiny256), _port(), "tp"), nprocs=2)
+@pytest.mark.parametrize("split", ["pp", "tp"])
+@pytest.mark.parametrize("arch", ARCHES)
+def test_two_ranks_match_one_process(arch, split, two_way):
+    mp.spawn(ranks.check_family, args=(str(two_way(arch)), _port(), split), nprocs=2)
 
 
-def test_tensor_parallel_refuses_what_it_cannot_split(model_path, tiny256):
-    with pytest.raises(DeltaserveError, match="--tp splits dense Qwen3.5"):
-        load_model(open_checkpoint(model_path("qwen35moe")), part=TensorPart(0, 2))
-    with pytest.raises(DeltaserveError, match="--tp 2 must divide .*linear_k_heads 3"):
+def test_tensor_parallel_refuses_what_it_cannot_split(model_path, two_way):
+    with pytest.raises(DeltaserveError, match="--tp 2 must divide qwen35's head counts .*linear_k_heads 3"):
         load_model(open_checkpoint(model_path("qwen35")), part=TensorPart(0, 2))  # tiny: 3 key heads
-    half = load_model(open_checkpoint(tiny256), part=TensorPart(1, 2))  # what rank 1 holds: half the heads
-    whole = load_model(open_checkpoint(tiny256))
+    with pytest.raises(DeltaserveError, match="--tp 2 must divide kimi-linear's .*kda_heads 3, num_heads 3"):
+        load_model(open_checkpoint(model_path("kimi-linear")), part=TensorPart(0, 2))
+    with pytest.raises(DeltaserveError, match="splits MoE layers by expert, but the model has 5 experts"):
+        load_model(open_checkpoint(two_way("kimi-linear")), part=TensorPart(0, 6))
+    half = load_model(open_checkpoint(two_way("qwen35")), part=TensorPart(1, 2))  # what rank 1 holds: half the heads
+    whole = load_model(open_checkpoint(two_way("qwen35")))
     assert half.layers[0].mixer.out_proj.weight.shape[1] * 2 == whole.layers[0].mixer.out_proj.weight.shape[1]
     torch.testing.assert_close(half.layers[0].mixer.A, whole.layers[0].mixer.A[2:])  # value heads 2, 3 of 4
 
