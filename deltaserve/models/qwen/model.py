@@ -16,6 +16,7 @@ from torch import nn
 from deltaserve.models.base import HybridModel, conv_tape
 from deltaserve.models.layers import MLP, GatedAttention, Linear, RMSNorm, RotaryEmbedding, SparseMoE
 from deltaserve.models.mtp import MTPHead
+from deltaserve.models.qwen import plan
 from deltaserve.models.qwen.config import QwenConfig
 from deltaserve.models.weights import (IDENTITY, NEG_EXP, PLUS_ONE, Param, cat, either, leaf, per_head, reshape,
                                        stack, tiled_heads)
@@ -127,6 +128,9 @@ class QwenModel(HybridModel):
     def attend(self, layer, x, rope, k_cache, v_cache, slots, start):
         cos, sin = rope
         return layer.mixer(x, cos, sin, k_cache, v_cache, slots, start)
+
+    def decode_step(self, h, rope, state, slots, start, layers):
+        return plan.step(self, h, rope, state, slots, start, layers)
 
     # -- the checkpoint contract --------------------------------------------------------------------
 

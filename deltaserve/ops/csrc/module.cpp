@@ -2,7 +2,7 @@
 // delta_rule.h (the fused gated delta rule), conv.h, gdn.h (a GDN layer's middle in one call), layers.h (norms, SwiGLU, attention step), gemv.h,
 // kquants.h (packed GGML blocks: decoders, rows to float32) and kquants_avx512.h, packed.h (decode GEMV and rows to float32 on them),
 // int8dot.h, int8gemv.h, int8gemm.h and panels.h (integer dot products of K-quant blocks; int8q8.h of Q8_0 ones with activations rounded to int8), probe.h (peaks),
-// attention.h (tiled attention over the KV cache for long spans).
+// attention.h (tiled attention over the KV cache for long spans), plan.h (a decode step through dense layers).
 #include "attention.h"
 #include "conv.h"
 #include "delta_rule.h"
@@ -14,6 +14,7 @@
 #include "layers.h"
 #include "packed.h"
 #include "panels.h"
+#include "plan.h"
 #include "probe.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -45,6 +46,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("probe_int8", &deltaserve::probe_int8, "int8 products per second, all threads (iters, reps)");
   m.def("probe_read", &deltaserve::probe_read, "bytes read per second, all threads (buf, reps)");
   m.def("packed_rows", &deltaserve::kq::packed_rows, "rows of packed GGML blocks dequantised to float32 (CPU)");
+
+  // plan.h: a decode step through dense Qwen layers in one call
+  deltaserve::bind_plan(m);
 
   // attention.h
   m.def("attention_cached", &deltaserve::attention_cached, "tiled causal attention over a KV cache (CPU, float32 q)");
