@@ -46,16 +46,9 @@ torch::Tensor gdn_core(torch::Tensor proj, torch::Tensor conv_weight, torch::Ten
   const torch::Tensor qkv = tokens.narrow(1, 0, C);
   conv_forward(qkv, conv_weight, torch::Tensor(), conv_state, cu_t, slots, qkv, true);
 
-  torch::Tensor beta = at::empty({N, T, HV}, at::TensorOptions().dtype(at::kFloat));
-  torch::Tensor g = at::empty({N, T, HV}, at::TensorOptions().dtype(at::kFloat));
-  const float *pp = proj.data_ptr<float>(), *Ap = A.data_ptr<float>(), *dtp = dt_bias.data_ptr<float>();
-  float *bp = beta.data_ptr<float>(), *gp = g.data_ptr<float>();
-  for (int64_t t = 0; t < N * T; ++t)
-    for (int64_t h = 0; h < HV; ++h) {
-      const float b = pp[t * D + C + HV * V + h], a = pp[t * D + C + HV * V + HV + h] + dtp[h];
-      bp[t * HV + h] = 1.f / (1.f + std::exp(-b));
-      gp[t * HV + h] = Ap[h] * (a > 20.f ? a : std::log1p(std::exp(a)));  // torch's softplus, threshold 20
-    }
+  // the gates through the same ATen ops as the modules' torch expression, so both paths give the same bits
+  const torch::Tensor beta = at::sigmoid(tokens.narrow(1, C + HV * V, HV)).view({N, T, HV});
+  const torch::Tensor g = (A * at::softplus(tokens.narrow(1, C + HV * V + HV, HV) + dt_bias)).view({N, T, HV});
 
   const torch::Tensor q = proj.narrow(2, 0, H * K).unflatten(2, {H, K});
   const torch::Tensor k = proj.narrow(2, H * K, H * K).unflatten(2, {H, K});
