@@ -16,7 +16,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstdint>
 
 #include "int8dot.h"
@@ -229,12 +228,8 @@ inline __m512i dot_pairs(__m512i acc, __m512i a, __m512i b) {
 
 constexpr int64_t kPanelPrefetch = 8192;
 
-inline const int g_nta = std::getenv("DS_NTA") ? std::atoi(std::getenv("DS_NTA")) : 0;  // TUNING
 inline void prefetch_span(const uint8_t* p, int64_t bytes) {
-  if (g_nta == 1)
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kPanelPrefetch + o, _MM_HINT_NTA);
-  else
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kPanelPrefetch + o, _MM_HINT_T0);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kPanelPrefetch + o, _MM_HINT_T0);
 }
 
 // per dword (a row): bytes (k, 0, k + 1, 0) of its own 4, k = 0 or 2: two u8 scales as an int16 pair
