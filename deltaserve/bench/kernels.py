@@ -24,7 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from deltaserve.models import packed
 from deltaserve.ops import fused
 
-_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of a block's float16 scales
+_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,)}  # byte offsets of a block's float16 scales
 _HIDDEN, _ROWS = 1024, 6144  # the 0.8B shapes: hidden size, a fused projection's output rows
 
 
@@ -75,7 +75,7 @@ def kernel_rates() -> list[dict]:
     """Rows of (kernel, format, shape, seconds, rate, unit, peak key) for the decode GEMV and prefill GEMM."""
     ext, rows = fused.extension(), []
     M, N = 256, _HIDDEN  # a prefill GEMM of a few ms (longer calls are preempted on a shared machine)
-    for qtype in sorted(_SCALES):
+    for qtype in sorted(t for t in _SCALES if t in packed.int8_types()):
         # decode: matrices in turn, 4x the L3 in all, so the weights come from memory as in a model
         mats = [_matrix(qtype, _ROWS, _HIDDEN, seed=i) for i in range(max(1, (128 << 20) // (_ROWS * _HIDDEN // 2)))]
         x, y = torch.randn(1, _HIDDEN), torch.empty(1, _ROWS)
