@@ -4,11 +4,13 @@
     deltaserve bench kernels
 
 Peaks (ops/csrc/probe.h): float32 FMAs and int8 dot products with 12 independent chains a thread, memory reads
-of a buffer 4x the L3. Kernels, per weight format, at a 0.8B model's shapes: the decode GEMV (one row of
-activations, weights streamed from memory: GB/s against the read peak) and the prefill GEMM (256 rows: GOP/s
-against the int8 or FMA peak); torch's float32 GEMM, the prefill of files without integer kernels, beside them.
-Each figure comes from the fastest of many short timings: on a shared machine other processes only ever slow
-one down, and a call of a few ms often runs whole between them.
+of a buffer 4x the L3 in 2 MB pages (as a model's weights). Kernels, per weight format, at a 0.8B model's shapes:
+the decode GEMV (one row of activations, weights streamed from memory: GB/s against the read peak) and the
+prefill GEMM (256 rows: GOP/s against the int8 or FMA peak); torch's float32 GEMM, the prefill of files without
+integer kernels, beside them. Each figure comes from the fastest of many short timings: on a shared machine
+other processes only ever slow one down, and a call of a few ms often runs whole between them. The decode
+GEMV's rate is taken as the read peak's is, each thread's fastest share (ops/csrc/shares.h) added up, with the
+whole calls' rate beside it (what a decode step waits for, the scheduler's delays included).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
+from deltaserve.loader.memory import weight_empty
 from deltaserve.models import packed
 from deltaserve.ops import fused
 
@@ -52,11 +55,23 @@ def _fastest_of(calls, share: float = 0.2) -> float:
     return sum(fastest) / len(fastest)
 
 
+def _thread_rate(calls, row_bytes: float) -> float | None:
+    """Bytes per second of a decode GEMV as the read peak is measured (probe.h): each thread's fastest share (its
+    rows over its own seconds, from calls returning [(rows, seconds)] per thread), added up; None where the kernel
+    reports no shares (builds without the timed kernels)."""
+    best: dict[int, float] = {}
+    for call in calls:
+        for thread, (rows, seconds) in enumerate(call()):
+            if rows and seconds > 0:
+                best[thread] = max(best.get(thread, 0.0), rows * row_bytes / seconds)
+    return sum(best.values()) or None
+
+
 def peaks() -> dict:
     """float32 FMA GFLOP/s, int8 dot-product GOP/s and memory read GB/s on all of torch's threads (each thread's
     fastest round, added up: see ops/csrc/probe.h)."""
     ext = fused.extension()
-    buf = torch.ones(128 << 20, dtype=torch.uint8)  # 4x a 32 MB L3
+    buf = weight_empty((128 << 20,), torch.uint8).fill_(1)  # 4x a 32 MB L3, in 2 MB pages as the weights are
     return {"fma_gflops": ext.probe_fma(20_000, 200) / 1e9, "int8_gops": ext.probe_int8(20_000, 200) / 1e9,
             "read_gbps": ext.probe_read(buf, 4 * 128 // torch.get_num_threads()) / 1e9}
 
@@ -68,7 +83,8 @@ def _matrix(qtype: Q, N: int, K: int, seed: int = 0) -> torch.Tensor:
     raw = np.random.default_rng(seed).integers(0, 256, size=(N * K // block, size), dtype=np.uint8)
     for at in _SCALES[qtype]:
         raw[:, at:at + 2] = np.full(raw.shape[0], 0.01, dtype=np.float16).view(np.uint8).reshape(-1, 2)
-    return packed.to_panels(packed.parameter(torch.from_numpy(raw.reshape(-1)), packed.Packing(((qtype, N),), (N, K))))
+    data = weight_empty((raw.size,), torch.uint8).copy_(torch.from_numpy(raw.reshape(-1)))  # 2 MB pages, as a model's
+    return packed.to_panels(packed.parameter(data, packed.Packing(((qtype, N),), (N, K))))
 
 
 def kernel_rates() -> list[dict]:
@@ -80,8 +96,9 @@ def kernel_rates() -> list[dict]:
         mats = [_matrix(qtype, _ROWS, _HIDDEN, seed=i) for i in range(max(1, (128 << 20) // (_ROWS * _HIDDEN // 2)))]
         x, y = torch.randn(1, _HIDDEN), torch.empty(1, _ROWS)
         t = _fastest_of([lambda w=w: ext.linear_int8(x, w, w.packing.table, y) for w in mats * 3])
-        rows.append(dict(kernel="linear_int8 decode", format=qtype.name, shape=f"1x{_ROWS}x{_HIDDEN}", seconds=t,
-                         rate=mats[0].nbytes / t / 1e9, unit="GB/s", peak="read_gbps"))
+        shares = _thread_rate([lambda w=w: ext.linear_int8_shares(x, w, w.packing.table, y) for w in mats * 3],
+                              mats[0].nbytes / _ROWS)
+        rows.append(_decode_row("linear_int8 decode", qtype.name, t, mats[0].nbytes, shares))
         w = _matrix(qtype, N, _HIDDEN)
         xs, ys = torch.randn(M, _HIDDEN), torch.empty(M, N)
         t = _best(lambda: ext.linear_int8(xs, w, w.packing.table, ys))
@@ -96,10 +113,18 @@ def kernel_rates() -> list[dict]:
     return rows
 
 
+def _decode_row(kernel: str, fmt: str, seconds: float, nbytes: int, thread_rate: float | None) -> dict:
+    """A decode GEMV's row: its rate as the read peak's is measured (threads' own shares added) where the kernel
+    times them, with the whole calls' rate beside it (`wall_rate`: what a decode step waits, scheduler included)."""
+    wall = nbytes / seconds / 1e9
+    return dict(kernel=kernel, format=fmt, shape=f"1x{_ROWS}x{_HIDDEN}", seconds=seconds,
+                rate=thread_rate / 1e9 if thread_rate else wall, wall_rate=wall, unit="GB/s", peak="read_gbps")
+
+
 def _q8_matrix(N: int, K: int, seed: int = 0) -> torch.Tensor:
     """A Q8_0 [N, K] weight (int8 + float16 scales, as layers.quantize_q8 keeps a Q8_0 file's) of random codes."""
     rng = np.random.default_rng(seed)
-    w = torch.from_numpy(rng.integers(-127, 128, size=(N, K), dtype=np.int8))
+    w = weight_empty((N, K), torch.int8).copy_(torch.from_numpy(rng.integers(-127, 128, size=(N, K), dtype=np.int8)))
     w.scale = torch.full((N, K // 32), 0.01, dtype=torch.float16)
     return w
 
@@ -110,8 +135,8 @@ def _q8_rates(ext, M: int, N: int) -> list[dict]:
     x, y = torch.randn(1, _HIDDEN), torch.empty(1, _ROWS)
     t = _fastest_of([lambda w=w: ext.linear_q8_int8(x, w, w.scale, y) for w in mats * 3])
     nbytes = mats[0].numel() * 34 // 32
-    out = [dict(kernel="linear_q8_int8 decode", format="Q8_0", shape=f"1x{_ROWS}x{_HIDDEN}", seconds=t,
-                rate=nbytes / t / 1e9, unit="GB/s", peak="read_gbps")]
+    shares = _thread_rate([lambda w=w: ext.linear_q8_int8_shares(x, w, w.scale, y) for w in mats * 3], nbytes / _ROWS)
+    out = [_decode_row("linear_q8_int8 decode", "Q8_0", t, nbytes, shares)]
     w = _q8_matrix(N, _HIDDEN)
     xs, ys = torch.randn(M, _HIDDEN), torch.empty(M, N)
     t = _best(lambda: ext.linear_q8_int8(xs, w, w.scale, ys))
@@ -131,8 +156,10 @@ def format_report(r: dict) -> str:
              f"  peaks measured now: float32 FMA {p['fma_gflops']:,.0f} GFLOP/s, int8 dot {p['int8_gops']:,.0f} GOP/s, "
              f"memory read {p['read_gbps']:,.1f} GB/s"]
     for k in r["kernels"]:
-        lines.append(f"  {k['kernel']:<20} {k['format']:<5} {k['shape']:>15} {k['seconds'] * 1e3:8.2f} ms "
-                     f"{k['rate']:9,.1f} {k['unit']:<8} {k['rate'] / p[k['peak']]:6.0%} of peak")
+        wall = k.get("wall_rate")
+        beside = f"  (whole calls: {wall:,.1f}, {wall / p[k['peak']]:.0%})" if wall and wall != k["rate"] else ""
+        lines.append(f"  {k['kernel']:<22} {k['format']:<6} {k['shape']:>15} {k['seconds'] * 1e3:8.2f} ms "
+                     f"{k['rate']:9,.1f} {k['unit']:<8} {k['rate'] / p[k['peak']]:6.0%} of peak{beside}")
     return "\n".join(lines)
 
 

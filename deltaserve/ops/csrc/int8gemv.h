@@ -20,6 +20,7 @@
 
 #include "int8dot.h"
 #include "panels.h"
+#include "shares.h"
 
 namespace deltaserve {
 namespace kq {
@@ -438,6 +439,7 @@ inline void gemv_direct(const Segments& seg, const uint8_t* base, const XBlock* 
   const int64_t nb = K / 256, N = seg.rows;
   const int64_t grain = std::max<int64_t>(16, (64 << 10) / (nb * 144) / 16 * 16);  // a share of at least ~64 KB
   at::parallel_for(0, N, grain, [&](int64_t lo, int64_t hi) {
+    const ShareClock clock(hi - lo);
     for (int64_t s = seg.find(lo); s < seg.S && seg.first(s) < hi; ++s) {
       const int64_t type = seg.type(s), first = seg.first(s), pend = first + seg.panel_rows(s), end = std::min(hi, seg.end(s));
       for (int64_t n = first + (std::max(lo, first) - first + kPanel - 1) / kPanel * kPanel; n < std::min(hi, pend); n += kPanel) {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "gemv.h"
+#include "shares.h"
 
 namespace deltaserve {
 namespace q8 {
@@ -219,6 +220,7 @@ inline void linear_q8_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale
   const int64_t nb = K / 32;
   if (M <= kQ8Rows) {
     at::parallel_for(0, N, std::max<int64_t>(1, (64 << 10) / K), [&](int64_t lo, int64_t hi) {
+      const ShareClock clock(hi - lo);
       for (int64_t n = lo; n < hi; ++n) {
         float sums[kQ8Rows];
         q8_rows(M, wp + n * K, sp + n * nb, a, 0, sums);

@@ -32,6 +32,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_int8", [] { return deltaserve::q8::kQ8Int8; }, "whether this build has the Q8_0 integer kernels");
   m.def("linear_packed", &deltaserve::kq::linear_packed, "float32 activations times packed GGML blocks (CPU)");
   m.def("linear_int8", &deltaserve::kq::linear_int8, "activations rounded to int8 per 256 times K-quant blocks (CPU)");
+  m.def("linear_int8_shares", [](torch::Tensor x, torch::Tensor bytes, torch::Tensor table, torch::Tensor y) {
+          return deltaserve::timed_shares([&] { deltaserve::kq::linear_int8(x, bytes, table, y); });
+        }, "linear_int8 with each thread's (rows, seconds) of its share, for the benchmark");
+  m.def("linear_q8_int8_shares", [](torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor y) {
+          return deltaserve::timed_shares([&] { deltaserve::q8::linear_q8_int8(x, w, scale, y); });
+        }, "linear_q8_int8 with each thread's (rows, seconds) of its share, for the benchmark");
   m.def("int8_isa", &deltaserve::kq::int8_isa, "the instructions of the integer kernels in this build");
   m.def("int8_panels", [] { return deltaserve::kq::kDirectGemv ? deltaserve::kq::kPanel : int64_t{0}; },
         "rows per panel the integer kernels read K-quant matrices in (0: rows as the file holds them)");
