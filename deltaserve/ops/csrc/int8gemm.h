@@ -113,21 +113,21 @@ inline void open_row_panel(int64_t type, const uint8_t* panel, int64_t nb, int64
   auto put = [&](int c, __m512i v) { _mm512_store_si512(out.q[c], v); };
   uint8_t words[16][12];  // Q4_K / Q5_K: each row's 12 scale bytes
   if (type == IQ4_XS) {
-    const uint8_t* p = panel + b * 2176;
+    const uint8_t* p = panel + b * (kIQ4Codes + 2048);
     alignas(16) uint8_t levels[16];
     for (int i = 0; i < 16; ++i) levels[i] = static_cast<uint8_t>(kIQ4Levels[i] + 128);
     const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(levels)));
     for (int ib = 0; ib < 8; ++ib)
       for (int l4 = 0; l4 < 4; ++l4) {
-        const __m512i v = _mm512_loadu_si512(p + (ib * 4 + l4) * 64);
+        const __m512i v = _mm512_loadu_si512(p + kIQ4Codes + (ib * 4 + l4) * 64);
         put(8 * ib + l4, _mm512_shuffle_epi8(lut, _mm512_and_si512(v, m4)));
         put(8 * ib + 4 + l4, _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4)));
       }
     for (int r = 0; r < 16; ++r) {
       uint8_t native[8];  // d | scales_h | scales_l of row r
-      std::memcpy(native, p + 2048 + 2 * r, 2);
-      std::memcpy(native + 2, p + 2080 + 2 * r, 2);
-      std::memcpy(native + 4, p + 2112 + 4 * r, 4);
+      std::memcpy(native, p + kIQ4D + 2 * r, 2);
+      std::memcpy(native + 2, p + kIQ4High + 2 * r, 2);
+      std::memcpy(native + 4, p + kIQ4Low + 4 * r, 4);
       for (int ib = 0; ib < 8; ++ib) {
         const int sc = iq4xs_scale(native, ib);
         out.sc[2 * ib][r] = out.sc[2 * ib + 1][r] = sc;
@@ -138,7 +138,7 @@ inline void open_row_panel(int64_t type, const uint8_t* panel, int64_t nb, int64
     return;
   }
   if (type == Q6_K) {
-    const uint8_t* p = panel + b * 3328;
+    const uint8_t* p = panel + panel_head(Q6_K, nb) + b * 3328;
     for (int n = 0; n < 2; ++n)
       for (int l4 = 0; l4 < 8; ++l4) {
         const uint8_t* run = p + (2 * n + l4 / 4) * 832 + (l4 % 4) * 192;  // panels.h's Q6_K order
@@ -152,19 +152,18 @@ inline void open_row_panel(int64_t type, const uint8_t* panel, int64_t nb, int64
       for (int i = 0; i < 16; ++i) out.sc[i][r] = static_cast<int8_t>(p[(2 * (i / 8) + i % 2) * 832 + 768 + 16 * ((i % 8) / 2) + r]);
       for (int i = 0; i < 8; ++i)
         out.off[i][r] = static_cast<int32_t>(static_cast<uint16_t>(32 * out.sc[2 * i][r]) | static_cast<uint32_t>(static_cast<uint16_t>(32 * out.sc[2 * i + 1][r])) << 16);
-      out.d[r] = out.o[r] = half(panel + nb * 3328 + 32 * b + 2 * r);
+      out.d[r] = out.o[r] = half(panel + 32 * b + 2 * r);
     }
     return;
   }
   const bool q5 = type == Q5_K;
-  const uint8_t* p = panel + b * (q5 ? 2816 : 2304);
-  const int64_t at = q5 ? 2560 : 2048;  // the scale words, then d, dmin
+  const uint8_t* p = panel + b * (k4_codes(q5) + 2048);
   for (int j = 0; j < 4; ++j)
     for (int l4 = 0; l4 < 8; ++l4) {
-      const __m512i v = _mm512_loadu_si512(p + (j * 8 + l4) * 64);
+      const __m512i v = _mm512_loadu_si512(p + k4_codes(q5) + (j * 8 + l4) * 64);
       __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
       if (q5) {  // bit 2j (2j + 1) of the high-bit bytes: each bit shifted down to 0, then up to 4
-        const __m512i h = _mm512_loadu_si512(p + 2048 + l4 * 64);
+        const __m512i h = _mm512_loadu_si512(p + kQ5High + l4 * 64);
         lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(h, 2 * j), 4), bit4));
         hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(h, 2 * j + 1), 4), bit4));
       }
@@ -172,13 +171,13 @@ inline void open_row_panel(int64_t type, const uint8_t* panel, int64_t nb, int64
       put(16 * j + 8 + l4, hi);
     }
   for (int r = 0; r < 16; ++r) {
-    for (int u = 0; u < 3; ++u) std::memcpy(words[r] + 4 * u, p + at + 64 * u + 4 * r, 4);
+    for (int u = 0; u < 3; ++u) std::memcpy(words[r] + 4 * u, p + kK4Scales + 64 * u + 4 * r, 4);
     uint8_t sc[8], mn[8];
     k4_scales(words[r], sc, mn);
     for (int i = 0; i < 16; ++i) out.sc[i][r] = sc[i / 2];
     for (int i = 0; i < 8; ++i) out.off[i][r] = static_cast<int32_t>(mn[i] | static_cast<uint32_t>(mn[i]) << 16);
-    out.d[r] = half(p + at + 192 + 2 * r);
-    out.o[r] = half(p + at + 224 + 2 * r);
+    out.d[r] = half(p + kK4D + 2 * r);
+    out.o[r] = half(p + kK4Dmin + 2 * r);
   }
 }
 

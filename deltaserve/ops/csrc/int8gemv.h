@@ -227,7 +227,7 @@ inline __m512i dot_pairs(__m512i acc, __m512i a, __m512i b) {
 #endif
 }
 
-constexpr int64_t kPanelPrefetch = 8192;
+constexpr int64_t kPanelPrefetch = 4096;  // ahead of the panel stream: 4 KB beat 1-3 KB and 5-8 KB here (2 MB pages)
 
 inline void prefetch_span(const uint8_t* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kPanelPrefetch + o, _MM_HINT_T0);
@@ -243,7 +243,7 @@ inline __m512i scale_pairs(__m512i bytes, int k) {
 // out[m * 16 + r] = (row r of a Q4_K / Q5_K panel) . (activation row m), x[b * xs + m]
 template <int MB, bool Q5>
 inline void panel_k4(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t xs, float* out) {
-  constexpr int64_t kBlock = Q5 ? 2816 : 2304, kScales = Q5 ? 2560 : 2048;
+  constexpr int64_t kBlock = k4_codes(Q5) + 2048, kCodes = k4_codes(Q5);
   const __m512i m4 = _mm512_set1_epi8(0xF), m6 = _mm512_set1_epi8(0x3F), m30 = _mm512_set1_epi8(0x30), bit4 = _mm512_set1_epi8(0x10);
   const __m512i low16 = _mm512_set1_epi32(0xFFFF);
   __m512 acc[MB];
@@ -252,7 +252,9 @@ inline void panel_k4(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t 
     const uint8_t* p = panel + b * kBlock;
     prefetch_span(p, kBlock);
     // get_scale_min_k4 for 16 rows at once, on the scale words u0, u1, u2 (a dword per row)
-    const __m512i u0 = _mm512_loadu_si512(p + kScales), u1 = _mm512_loadu_si512(p + kScales + 64), u2 = _mm512_loadu_si512(p + kScales + 128);
+    const __m512i u0 = _mm512_loadu_si512(p + kK4Scales), u1 = _mm512_loadu_si512(p + kK4Scales + 64), u2 = _mm512_loadu_si512(p + kK4Scales + 128);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kK4D)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kK4Dmin)));
     const __m512i sc03 = _mm512_and_si512(u0, m6), mn03 = _mm512_and_si512(u1, m6);
     const __m512i sc47 = _mm512_ternarylogic_epi32(u2, m4, _mm512_and_si512(_mm512_srli_epi32(u0, 2), m30), 0xEA);
     const __m512i mn47 = _mm512_ternarylogic_epi32(_mm512_srli_epi32(u2, 4), m4, _mm512_and_si512(_mm512_srli_epi32(u1, 2), m30), 0xEA);
@@ -268,10 +270,10 @@ inline void panel_k4(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t 
 #pragma GCC unroll 4
         for (int l = 0; l < 4; ++l) {
           const int l4 = 4 * half + l;
-          const __m512i v = _mm512_loadu_si512(p + (j * 8 + l4) * 64);
+          const __m512i v = _mm512_loadu_si512(p + kCodes + (j * 8 + l4) * 64);
           __m512i lo, hi;
           if constexpr (Q5) {  // bit 2j (2j + 1) of the high bits to bit 4
-            const __m512i h = _mm512_loadu_si512(p + 2048 + l4 * 64);
+            const __m512i h = _mm512_loadu_si512(p + kQ5High + l4 * 64);
             const __m512i hl = 2 * j <= 4 ? _mm512_slli_epi16(h, 4 - 2 * j) : _mm512_srli_epi16(h, 2 * j - 4);
             const __m512i hh = 2 * j + 1 <= 4 ? _mm512_slli_epi16(h, 3 - 2 * j) : _mm512_srli_epi16(h, 2 * j - 3);
             lo = _mm512_ternarylogic_epi32(v, m4, _mm512_and_si512(hl, bit4), 0xEA);
@@ -297,8 +299,6 @@ inline void panel_k4(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t 
         mins[m] = dot_pairs(mins[m], mn, _mm512_set1_epi32(pair));
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kScales + 192)));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kScales + 224)));
 #pragma GCC unroll 4
     for (int m = 0; m < MB; ++m) {
       const __m512 xd = _mm512_set1_ps(x[b * xs + m].d);
@@ -316,8 +316,9 @@ inline void panel_q6k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t
   const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  const uint8_t* blocks = panel + panel_head(Q6_K, nb);
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* p = panel + b * 3328;
+    const uint8_t* p = blocks + b * 3328;
     prefetch_span(p, 3328);
     __m512i ai[MB];
     for (int m = 0; m < MB; ++m) ai[m] = _mm512_setzero_si512();
@@ -354,7 +355,7 @@ inline void panel_q6k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t
         }
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + nb * 3328 + 32 * b)));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + 32 * b)));
 #pragma GCC unroll 4
     for (int m = 0; m < MB; ++m)
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[m]), _mm512_mul_ps(d, _mm512_set1_ps(x[b * xs + m].d)), acc[m]);
@@ -373,10 +374,11 @@ inline void panel_iq4xs(const uint8_t* panel, int64_t nb, const XBlock* x, int64
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* p = panel + b * 2176;
-    prefetch_span(p, 2176);
-    const __m512i low = _mm512_loadu_si512(p + 2112);  // scales_l: a dword per row
-    const __m512i high = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2080)));
+    const uint8_t* p = panel + b * (kIQ4Codes + 2048);
+    prefetch_span(p, kIQ4Codes + 2048);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kIQ4D)));
+    const __m512i low = _mm512_loadu_si512(p + kIQ4Low);  // scales_l: a dword per row
+    const __m512i high = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kIQ4High)));
     __m512i ai[MB];
     for (int m = 0; m < MB; ++m) ai[m] = _mm512_setzero_si512();
 #pragma GCC unroll 2
@@ -389,7 +391,7 @@ inline void panel_iq4xs(const uint8_t* panel, int64_t nb, const XBlock* x, int64
       for (int m = 0; m < MB; ++m) sum[m] = _mm512_set1_epi32(-128 * x[b * xs + m].bs32[ib]);
 #pragma GCC unroll 4
       for (int l4 = 0; l4 < 4; ++l4) {
-        const __m512i v = _mm512_loadu_si512(p + (ib * 4 + l4) * 64);
+        const __m512i v = _mm512_loadu_si512(p + kIQ4Codes + (ib * 4 + l4) * 64);
         const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, m4));
         const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
 #pragma GCC unroll 4
@@ -401,7 +403,6 @@ inline void panel_iq4xs(const uint8_t* panel, int64_t nb, const XBlock* x, int64
 #pragma GCC unroll 4
       for (int m = 0; m < MB; ++m) ai[m] = _mm512_add_epi32(ai[m], _mm512_mullo_epi32(sum[m], sc));
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2048)));
 #pragma GCC unroll 4
     for (int m = 0; m < MB; ++m)
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[m]), _mm512_mul_ps(d, _mm512_set1_ps(x[b * xs + m].d)), acc[m]);

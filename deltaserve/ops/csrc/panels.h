@@ -4,14 +4,15 @@
 // horizontal sum, about a third of the row-at-a-time kernel's instructions. A panel takes the bytes of its 16 rows.
 //
 // Within a panel, per block b of the rows (nb a row), every native 4-byte (2, 1) piece of a block lands in a run
-// of 16, one per row: piece (native offset o, length len) of row r at region(b) + base + r * len, where region(b)
-// is b times the panel block's bytes (Q4_K 2304, Q5_K 2816; Q6_K 3328 without d, whose 16 copies per block lie
-// after all nb blocks' other bytes: every block's codes stay 64-byte aligned).
+// of 16, one per row: piece (native offset o, length len) of row r at region(b) + base + r * len, region(b) being
+// b times the panel block's bytes (Q4_K 2304, Q5_K 2816, IQ4_XS 2176; Q6_K 3328, after a head holding the d of
+// every block, nb x 32 bytes). Each block is laid out in the order its kernel reads it, front to back (the
+// hardware prefetchers here lost half their rate to a stream that skips ahead and comes back):
 //
-//   Q4_K block: qs runs (j, l4) [32 x 64 B] | scale words u = 0..2 [3 x 64 B] | d [32 B] | dmin [32 B]
-//   Q5_K block: qs runs [2048] | qh runs l4 [8 x 64 B] | scale words [192] | d | dmin
-//   Q6_K block: 4 sections (n, half of l4): 4 x (ql run, ql + 32 run, qh run) [768 B] | 4 scales [64 B];  d after
-//   IQ4_XS block: qs runs (ib, l4) [32 x 64 B] | d [32 B] | scales_h [32 B] | scales_l [64 B]
+//   Q4_K block: scale words u = 0..2 [3 x 64 B] | d [32 B] | dmin [32 B] | qs runs (j, l4) [32 x 64 B]
+//   Q5_K block: scale words | d | dmin | qh runs l4 [8 x 64 B] | qs runs (j, l4)
+//   Q6_K block: 4 sections (n, half of l4): 4 x (ql run, ql + 32 run, qh run) [768 B] | 4 scales [64 B]
+//   IQ4_XS block: d [32 B] | scales_h [32 B] | scales_l [64 B] | qs runs (ib, l4) [32 x 64 B]
 //
 // A segment of a panel type with the table's panel flag holds rows / 16 panels, then its rows % 16 last rows
 // native. Every reader of packed bytes takes either (native_row gives a row's file bytes back).
@@ -36,29 +37,33 @@ struct Piece {
 
 struct PanelLayout {
   std::vector<Piece> pieces;
-  int64_t block;  // panel bytes per block before the trailing d's (Q6_K: 3328), or all of them
-  int16_t tail;   // Q6_K: the native offset of d, kept after all blocks (-1: none)
+  int64_t block;  // panel bytes per block (Q6_K: after the head)
+  int16_t head;   // Q6_K: the native offset of d, its runs first in the panel, 32 bytes a block (-1: none)
 };
+
+// where a Q4_K / Q5_K / IQ4_XS panel block's parts start (its kernels read them there)
+constexpr int64_t kK4Scales = 0, kK4D = 192, kK4Dmin = 224, kQ5High = 256;
+inline constexpr int64_t k4_codes(bool q5) { return q5 ? 768 : 256; }
+constexpr int64_t kIQ4D = 0, kIQ4High = 32, kIQ4Low = 64, kIQ4Codes = 128;
 
 inline PanelLayout make_layout(int64_t type) {
   PanelLayout l{{}, 0, -1};
   auto add = [&](int native, int len, int base) { l.pieces.push_back({static_cast<int16_t>(native), static_cast<int16_t>(len), static_cast<int16_t>(base)}); };
-  const int qs = type == Q5_K ? 48 : 16;
   switch (type) {
     case Q4_K:
     case Q5_K: {
+      const bool q5 = type == Q5_K;
+      for (int u = 0; u < 3; ++u) add(4 + 4 * u, 4, kK4Scales + 64 * u);
+      add(0, 2, kK4D);
+      add(2, 2, kK4Dmin);
+      if (q5)
+        for (int l4 = 0; l4 < 8; ++l4) add(16 + 4 * l4, 4, kQ5High + 64 * l4);
       for (int j = 0; j < 4; ++j)
-        for (int l4 = 0; l4 < 8; ++l4) add(qs + 32 * j + 4 * l4, 4, (j * 8 + l4) * 64);
-      int at = 2048;
-      if (type == Q5_K)
-        for (int l4 = 0; l4 < 8; ++l4, at += 64) add(16 + 4 * l4, 4, at);
-      for (int u = 0; u < 3; ++u, at += 64) add(4 + 4 * u, 4, at);
-      add(0, 2, at);
-      add(2, 2, at + 32);
-      l.block = at + 64;
+        for (int l4 = 0; l4 < 8; ++l4) add((q5 ? 48 : 16) + 32 * j + 4 * l4, 4, k4_codes(q5) + (j * 8 + l4) * 64);
+      l.block = k4_codes(q5) + 2048;
       return l;
     }
-    case Q6_K: {  // in the order the kernel reads them: per section (n, half) 4 triples (ql, ql + 32, qh), 4 scales
+    case Q6_K: {
       for (int n = 0; n < 2; ++n)
         for (int l4 = 0; l4 < 8; ++l4) {
           const int at = (2 * n + l4 / 4) * 832 + (l4 % 4) * 192;
@@ -68,22 +73,25 @@ inline PanelLayout make_layout(int64_t type) {
         }
       for (int g = 0; g < 16; ++g) add(192 + g, 1, (2 * (g / 8) + g % 2) * 832 + 768 + 16 * ((g % 8) / 2));
       l.block = 3328;
-      l.tail = 208;
+      l.head = 208;
       return l;
     }
     case IQ4_XS: {
+      add(0, 2, kIQ4D);
+      add(2, 2, kIQ4High);
+      add(4, 4, kIQ4Low);
       for (int ib = 0; ib < 8; ++ib)
-        for (int l4 = 0; l4 < 4; ++l4) add(8 + 16 * ib + 4 * l4, 4, (ib * 4 + l4) * 64);
-      add(0, 2, 2048);
-      add(2, 2, 2080);
-      add(4, 4, 2112);
-      l.block = 2176;
+        for (int l4 = 0; l4 < 4; ++l4) add(8 + 16 * ib + 4 * l4, 4, kIQ4Codes + (ib * 4 + l4) * 64);
+      l.block = kIQ4Codes + 2048;
       return l;
     }
   }
   layout(type);
   throw std::invalid_argument("row panels: GGML type " + std::to_string(type) + " has no panel layout");
 }
+
+// bytes before a panel's first block (Q6_K: the d of every block)
+inline int64_t panel_head(int64_t type, int64_t nb) { return type == Q6_K ? 32 * nb : 0; }
 
 inline bool panel_type(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS; }
 
@@ -95,8 +103,9 @@ inline const PanelLayout& panel_layout(int64_t type) {
 // native_offset in a block <-> offset in a panel of nb blocks, for row r of block b
 template <class F>
 inline void each_piece(const PanelLayout& l, int64_t nb, int64_t b, int64_t r, F&& f) {
-  for (const Piece& p : l.pieces) f(p.native, p.len, b * l.block + p.base + r * p.len);
-  if (l.tail >= 0) f(l.tail, 2, nb * l.block + 32 * b + 2 * r);
+  const int64_t region = (l.head >= 0 ? 32 * nb : 0) + b * l.block;
+  for (const Piece& p : l.pieces) f(p.native, p.len, region + p.base + r * p.len);
+  if (l.head >= 0) f(l.head, 2, 32 * b + 2 * r);
 }
 
 // the file's bytes of row r (< 16) of the panel at `panel` (nb blocks a row) into out [nb * block bytes]
