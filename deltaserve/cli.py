@@ -151,7 +151,7 @@ def cmd_run(args):
     if llm is None:
         return
     sys.stdout.write(args.prompt)
-    for piece in llm.generate(args.prompt, stream=True, **_sampling(args)):
+    for piece in llm.generate(args.prompt, stream=True, token_healing=not args.no_token_healing, **_sampling(args)):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -247,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(run)
     run.add_argument("-p", "--prompt", required=True, help="the text to continue")
     _add_sampling_args(run)
+    run.add_argument("--no-token-healing", action="store_true",
+                     help="keep the prompt's last token as it is (by default a prompt ending inside a longer token, "
+                          "such as 'ROMEO.' before '.\\n', is backed off by it and the first token must start with it)")
     run.set_defaults(fn=cmd_run)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal",
