@@ -73,6 +73,9 @@ def _add_model_args(p: argparse.ArgumentParser):
                    help="tensor shards: run under torchrun with this many processes, each holding a share of "
                         "every layer's heads, columns and experts (every family; quantised files where the "
                         "shares fall on the file's blocks; default 1)")
+    p.add_argument("--micro-batches", type=_int(1), default=None,
+                   help="with --pp: split each step's batch of sequences into up to this many micro-batches, so "
+                        "that the stages run at once (default: one a stage; 1: the stages take turns)")
     p.add_argument("--dist-timeout", type=_float(0, low_open=True), default=120,
                    help="with --pp / --tp: seconds a rank waits for another before failing with an error (default 120)")
 
@@ -132,7 +135,7 @@ def _join(args):
     from deltaserve.engine.llm import DEFAULT_MODEL
 
     return join(args.model or DEFAULT_MODEL, pp=args.pp, tp=args.tp, dtype=getattr(torch, args.dtype),
-                kv_dtype=_kv_dtype(args), timeout_s=args.dist_timeout)
+                kv_dtype=_kv_dtype(args), timeout_s=args.dist_timeout, micro_batches=args.micro_batches)
 
 
 def _kv_dtype(args):
