@@ -148,7 +148,8 @@ def check_quantised(rank: int, path: str, port: int, int8: bool) -> None:
 
 
 def check_dead_rank(rank: int, path: str, port: int, how: str, timeout_s: float, out) -> None:
-    """Rank 0 stops or kills rank 1, then runs a pass: a DistributedError must come within the timeout."""
+    """Rank 0 stops or kills rank 1, then runs a pass over 3 slots in 2 micro-batches (rank 0 sends the first
+    and runs the second before it waits): a DistributedError must come within the timeout."""
     setup(rank, 2, port)
     from deltaserve.dist import group
 
@@ -159,17 +160,18 @@ def check_dead_rank(rank: int, path: str, port: int, how: str, timeout_s: float,
     if rank != 0:
         return
     pipe, _ = loaded
-    runner = ModelRunner(pipe, n_slots=1, max_len=32, checkpoint_interval=0)
-    runner.forward([0], [[1, 2, 3]])
+    assert pipe.micro_batches == 2  # the default: 3 slots go in micro-batches of 2 and 1
+    runner = ModelRunner(pipe, n_slots=3, max_len=32, checkpoint_interval=0)
+    runner.forward([0, 1, 2], [[1, 2, 3]] * 3)
     os.kill(pids[1], signal.SIGSTOP if how == "hang" else signal.SIGKILL)
     began = time.monotonic()
     try:
-        runner.forward([0], [[4]])
+        runner.forward([0, 1, 2], [[4]] * 3)
         out.put(("no error", 0.0))
     except DistributedError as e:
         out.put((str(e), time.monotonic() - began))
     try:
-        runner.forward([0], [[5]])
+        runner.forward([0, 1, 2], [[5]] * 3)
         out.put(("no error", 0.0))
     except DistributedError as e:  # at once: the link is broken for good
         out.put((str(e), time.monotonic() - began))
