@@ -37,12 +37,12 @@ CLOCK = StageClock()  # one rank a process
 
 
 class PipelineModel(SpreadModel):
-    def __init__(self, inner: HybridModel, stages: list[range], link: group.Link, micro_batches: int | None = None):
-        """micro_batches: the most micro-batches a pass is split into (default one a stage; 1: unsplit)."""
+    def __init__(self, inner: HybridModel, stages: list[range], link: group.Link, micro_batches: int = 1):
+        """micro_batches: the most micro-batches a pass is split into (1: unsplit; README: when to split)."""
         super().__init__(inner, link, len(stages))
         self.stages = stages
         self.stage = Stage(0, len(stages), stages[0])
-        self.micro_batches = micro_batches or len(stages)
+        self.micro_batches = micro_batches
 
     def held(self, rank: int) -> range:
         return self.stages[rank]
