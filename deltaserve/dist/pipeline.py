@@ -1,9 +1,14 @@
 """Pipeline parallel: each rank runs a contiguous range of layers (dist/stage.py); rank 0 also the rest.
 
 A forward pass carries the hidden states rank to rank, 0 -> 1 -> ... -> N-1 -> 0 (point to point, E values
-a token each hop); rank 0 ends it with the final norm and the head. The stages take turns: there is no
-micro-batching (README: why, and what the stages' measured idle time says it would gain), so N ranks on
-one machine run no faster than one process, and across machines the model fits where it did not.
+a token each hop); rank 0 ends it with the final norm and the head. With micro_batches m > 1 (--micro-batches)
+a pass over n sequences is cut into min(n, m) micro-batches of whole sequences, and the hops are non-blocking:
+rank r runs micro-batch i while rank r + 1 runs i - 1, and rank 0 runs the head of each as it comes back.
+One command carries the cut, so every rank makes the same; a sequence's state rows lie in one micro-batch,
+and the micro-batches' per-token snapshots are stacked into the pass's (rollback reads them as before). The
+result is bitwise one process's running the same micro-batches in turn (not the pass unsplit: CPU GEMMs
+round a row's sums by the rows they get). Measured on one loaded 2-core machine, the stages overlap but the
+pass is no faster (README), so the default is 1: the stages take turns.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from deltaserve.models.state import HybridState
 class StageClock:
     """This process's (one rank's) recent passes: (tokens, seconds spent running its own stage) each. Beside
     a pass's wall time on rank 0, the rest of it is the time the stage waited on the others: what
-    micro-batching would fill (python -m deltaserve.bench.dist reports it)."""
+    micro-batches fill (python -m deltaserve.bench.dist reports it)."""
 
     def __init__(self, keep: int = 4096):
         self.passes: deque[tuple[int, float]] = deque(maxlen=keep)
