@@ -156,7 +156,7 @@ def cmd_run(args):
     if llm is None:
         return
     sys.stdout.write(args.prompt)
-    for piece in llm.generate(args.prompt, stream=True, **_sampling(args)):
+    for piece in llm.generate(args.prompt, stream=True, token_healing=not args.no_token_healing, **_sampling(args)):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -191,7 +191,8 @@ def cmd_serve(args):
     model, tokenizer = loaded
     name = args.served_model_name or Path(args.model or DEFAULT_MODEL).stem
     engine = Engine(model, tokenizer, n_slots=args.slots, max_len=args.ctx_size, prefill_chunk=args.chunk_size,
-                    model_name=name, cache_budget_mb=args.cache_mb, speculative=args.spec, spec_tokens=args.spec_tokens)
+                    model_name=name, cache_budget_mb=args.cache_mb, speculative=args.spec, spec_tokens=args.spec_tokens,
+                    spec_max_batch=args.spec_max_batch)
     if args.cache_dir:
         n = engine.runner.cache.load_checkpoints(args.cache_dir, model)
         print(f"deltaserve: {n} prefix checkpoints loaded from {args.cache_dir}", file=sys.stderr)
@@ -251,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(run)
     run.add_argument("-p", "--prompt", required=True, help="the text to continue")
     _add_sampling_args(run)
+    run.add_argument("--no-token-healing", action="store_true",
+                     help="keep the prompt's last token as it is (by default a prompt ending inside a longer token, "
+                          "such as 'ROMEO.' before '.\\n', is backed off by it and the first token must start with it)")
     run.set_defaults(fn=cmd_run)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal",
@@ -276,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="let web pages from these origins call the API (CORS), e.g. http://localhost:3000; "
                             "'*' for any (default: none)")
     serve.add_argument("--slots", type=_int(1), default=8, help="sequences decoded together (default 8)")
+    serve.add_argument("--spec-max-batch", type=_int(1), default=4, metavar="N",
+                       help="with --spec: a decode step of more than N sequences drafts nothing: a wide batch already "
+                            "fills the pass, and verifying drafts for each costs more than they save (default 4)")
     serve.add_argument("--served-model-name", default=None, help="model id in the API (default: the file name)")
     serve.add_argument("--max-request-bytes", type=_int(1), default=MAX_REQUEST_BYTES,
                        help="largest request body; larger ones get 413 (default 4 MiB)")

@@ -23,7 +23,7 @@ RANKS = {
     "engine": 4,
     "": 4,  # the package itself: `deltaserve.LLM` is the engine's
     "server": 5,
-    "bench": 6, "train": 6,
+    "bench": 6, "train": 6, "train_chat": 6,
     "cli": 7, "__main__": 7, "chat": 7,
 }
 

@@ -22,8 +22,10 @@ from deltaserve.loader import open_checkpoint
 from deltaserve.convert.presets import TOKENIZER_TEXT
 from deltaserve.models.qwen import QwenModel
 from deltaserve.tokenizer import Tokenizer
+from deltaserve.convert.templates import QWEN35
+from deltaserve.models.mtp import draft_step
 from deltaserve.train import (HELD_OUT, TrainConfig, build_model, encode, export_gguf, fetch_sdist, generate,
-                              read_texts, train, train_tokenizer)
+                              joint_loss, read_texts, train, train_tokenizer)
 from deltaserve.models.weights import file_tensors
 
 SHIPPED = Path(deltaserve.__file__).parent / "data" / "default.gguf"
@@ -60,7 +62,7 @@ def one_thread():
 def tiny_data():
     paragraphs = TOKENIZER_TEXT.split("\n\n")
     tokenizer = train_tokenizer(paragraphs[:-1], TINY.vocab)
-    return tokenizer, encode(tokenizer, paragraphs[:-1]), encode(tokenizer, paragraphs[-1:])
+    return tokenizer, encode(tokenizer, paragraphs[:-1]), encode(tokenizer, paragraphs[-1:])  # Streams
 
 
 def tiny_model(tokenizer, seed=0):
@@ -131,6 +133,50 @@ def test_loss_goes_down_and_every_weight_learns(tiny_data):
     assert sorted(after) == sorted(before)  # the A_log parametrisation is gone again
     assert [name for name, p in before.items() if torch.equal(p, after[name])] == []
     assert all(layer.mixer.A.max() < 0 for layer in model.layers if layer.recurrent)
+    assert any(name.startswith("mtp.fc") for name in after)  # the MTP layer is among them
+    assert history[-1]["mtp"] < history[0]["mtp"]
+
+
+def test_conversations_start_their_windows_and_are_learnt(tiny_data):
+    """A chat stream's windows begin at a conversation's first token; training with chat rows learns them."""
+    tokenizer, train_ids, val_ids = tiny_data
+    chat = "<|im_start|>user\nWho art thou?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nRomeo.<|im_end|>\n"
+    chats = encode(tokenizer, [chat * 2] * 7, TINY.context)
+    length = len(chats.ids) // 7
+    assert [s for s in chats.starts.tolist()] == [i * length for i in range(7) if i * length + TINY.context < 7 * length]
+    inputs, targets = chats.windows(16, TINY.context, torch.Generator().manual_seed(1))
+    assert (inputs[:, 0] == tokenizer.tokens.index("<|im_start|>")).all()
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    history = train(replace(TINY, chat_rows=2), tiny_model(tokenizer), train_ids, val_ids, lambda line: None,
+                    chats, chats)
+    assert history[-1]["chat"] < history[0]["chat"] - 0.5
+
+
+def test_joint_loss_is_the_inference_path_of_trunk_and_mtp(tiny_data):
+    """The training loss's MTP term equals the cross-entropy of what drafting computes (a cached prefill of
+    tokens 0..p-1, then models.mtp.draft_step with token p and the trunk's hidden state after p-1), and
+    its trunk term that of the cached forward's logits: the layer trained is the layer that drafts."""
+    tokenizer, train_ids, _ = tiny_data
+    model = randomise(tiny_model(tokenizer), seed=6).requires_grad_(False)
+    T = 13
+    ids = train_ids.ids[:T + 1][None]
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    _, main, ahead, _ = joint_loss(model, inputs, targets, 0.3)
+    trunk_logits, mtp_logits = [], []
+    i = len(model.layers)
+    for p in range(1, T):
+        state = model.new_state(1, T + 1, mtp=True)
+        trunk = model(inputs[:, :p], state, [0])  # [1, V]: after token p-1
+        if p == 1:
+            trunk_logits.append(trunk[0])
+        hidden = state.conv[i][[0]].clone()  # h_{p-1}, normed
+        logits, _ = draft_step(model, state, torch.tensor([0]), inputs[:, p:p + 1], hidden, 0)
+        mtp_logits.append(logits[0])
+        trunk_logits.append(model(inputs[:, p:p + 1], state, [0])[0])
+    expected_ahead = torch.nn.functional.cross_entropy(torch.stack(mtp_logits), targets[0, 1:])
+    expected_main = torch.nn.functional.cross_entropy(torch.stack(trunk_logits), targets[0])
+    torch.testing.assert_close(ahead, expected_ahead, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(main, expected_main, rtol=1e-4, atol=1e-4)
 
 
 def test_same_seed_same_weights(tiny_data):
@@ -165,7 +211,7 @@ def test_bad_config_is_refused(kwargs, problem):
 def test_too_little_text_is_refused(tiny_data):
     tokenizer, train_ids, _ = tiny_data
     with pytest.raises(DeltaserveError, match="more than context=24"):
-        train(TINY, tiny_model(tokenizer), train_ids, train_ids[:20], log=lambda line: None)
+        train(TINY, tiny_model(tokenizer), train_ids, type(train_ids)(train_ids.ids[:20]), log=lambda line: None)
 
 
 # -- export ----------------------------------------------------------------------------------------
@@ -180,11 +226,13 @@ def test_hf_layout_runs_in_transformers(tiny_data):
     config = transformers.Qwen3_5TextConfig.from_dict(model.config.to_hf())
     config._attn_implementation = "eager"
     reference = transformers.Qwen3_5ForCausalLM(config).float().eval()
-    loaded = reference.load_state_dict(dict(file_tensors(QwenModel.weight_table(model.config), model.state_dict(),
-                                                         "hf")), strict=False)
+    tensors = dict(file_tensors(QwenModel.weight_table(model.config), model.state_dict(), "hf"))
+    mtp = sorted(name for name in tensors if name.startswith("mtp."))  # transformers has no MTP layer
+    assert "mtp.fc.weight" in mtp and "mtp.pre_fc_norm_embedding.weight" in mtp
+    loaded = reference.load_state_dict({k: v for k, v in tensors.items() if k not in mtp}, strict=False)
     assert loaded.unexpected_keys == [] and loaded.missing_keys == ["lm_head.weight"]  # tied to the embedding
     assert reference.lm_head.weight.data_ptr() == reference.model.embed_tokens.weight.data_ptr()
-    ids = train_ids[:2 * 37].view(2, 37)
+    ids = train_ids.ids[:2 * 37].view(2, 37)
     expected = reference(ids).logits
     mine = model(ids)  # the training path, with gradients
     assert (mine.detach() - expected.detach()).abs().max() < 1e-4 * expected.abs().max()
@@ -209,7 +257,7 @@ def test_gguf_export_reads_back_as_the_same_model(tiny_data, tmp_path):
     mine = dict(model.named_parameters())
     for name, p in back.named_parameters():
         torch.testing.assert_close(p, mine[name], rtol=1e-6, atol=1e-7, msg=name)
-    ids = train_ids[:40].view(1, 40)
+    ids = train_ids.ids[:40].view(1, 40)
     torch.testing.assert_close(back(ids), model(ids), rtol=1e-5, atol=1e-5)
 
 
@@ -230,6 +278,8 @@ def test_shipped_file_is_a_small_qwen35(shipped):
     assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + (
         "full_attention",)
     assert 1e6 < sum(p.numel() for p in model.parameters()) < 10e6
+    assert model.mtp is not None and ckpt.metadata["qwen35.nextn_predict_layers"] == 1  # what --spec mtp drafts with
+    assert ckpt.metadata["qwen35.block_count"] == len(cfg.layer_types) + 1  # llama.cpp appends the MTP block
     # llama.cpp's converter at --outtype f16: matrices float16; norms, ssm_a, ssm_dt.bias and the conv float32
     for t in GGUFReader(SHIPPED).tensors:
         keep_f32 = len(t.shape) == 1 or "norm" in t.name or t.name.endswith(("ssm_conv1d.weight", ".bias"))
@@ -237,13 +287,24 @@ def test_shipped_file_is_a_small_qwen35(shipped):
         assert t.tensor_type == want, t.name
 
 
-def test_shipped_tokenizer_is_plain_completion(shipped):
+def test_shipped_tokenizer_chats_as_qwen35_does(shipped):
+    """Qwen3.5's template and special tokens: <|endoftext|>, <|im_start|>, <|im_end|> control tokens (eos
+    <|im_end|>, bos/pad <|endoftext|>, and both end generation, as llama.cpp's end-of-generation set has
+    them); <think>, <tool_call>, ... whole tokens kept in decoded text, as Qwen's tokenizer marks them."""
     ckpt, tokenizer, model = shipped
-    assert "tokenizer.chat_template" not in ckpt.metadata and tokenizer.chat_template is None
+    assert ckpt.metadata["tokenizer.chat_template"] == QWEN35 == tokenizer.chat_template
     assert 2000 <= tokenizer.vocab_size <= 8192 and tokenizer.vocab_size == model.config.vocab_size
-    special = [t for t, kind in zip(tokenizer.tokens, tokenizer.token_types) if kind != TokenType.NORMAL]
-    assert special == ["<|endoftext|>"]
-    assert tokenizer.eos_token_ids == {tokenizer.tokens.index("<|endoftext|>")}
+    kinds = {t: TokenType(kind) for t, kind in zip(tokenizer.tokens, tokenizer.token_types) if kind != TokenType.NORMAL}
+    assert kinds == {"<|endoftext|>": TokenType.CONTROL, "<|im_start|>": TokenType.CONTROL,
+                     "<|im_end|>": TokenType.CONTROL, **{t: TokenType.USER_DEFINED for t in (
+                         "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")}}
+    ids = {t: tokenizer.tokens.index(t) for t in kinds}
+    assert ckpt.metadata["tokenizer.ggml.eos_token_id"] == ids["<|im_end|>"]
+    assert ckpt.metadata["tokenizer.ggml.bos_token_id"] == ids["<|endoftext|>"]
+    assert tokenizer.eos_token_ids == {ids["<|im_end|>"], ids["<|endoftext|>"]}
+    for token, i in ids.items():
+        assert tokenizer.encode(f"a{token}b")[1:-1] == [i], token  # one token each inside text
+    assert tokenizer.decode(tokenizer.encode("<think>\nx\n</think>")) == "<think>\nx\n</think>"
     assert tokenizer.decode(tokenizer.encode(HAMLET)) == HAMLET
     assert len(tokenizer.encode(HAMLET)) < len(HAMLET) / 3  # learnt on English verse: words are few tokens
 

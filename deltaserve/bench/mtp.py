@@ -1,6 +1,6 @@
 """Greedy decoding with the model's MTP layer drafting (`--spec mtp`) against plain decoding, k = 1..4.
 
-    python -m deltaserve.bench.mtp MODEL.gguf [--tokens 64] [--reps 2]
+    python -m deltaserve.bench.mtp MODEL.gguf [--tokens 64] [--reps 2] [--prompt TEXT | --chat QUESTION]
 
 One LLM decodes the same prompt plainly and with k = 1, 2, 3, 4 in turn, `--reps` rounds; the fastest run of
 each counts (tokens/s over the whole generate call, a 15-token prompt's prefill included). Every run must give
@@ -17,17 +17,20 @@ from deltaserve.engine.llm import LLM
 PROMPT = "the cat sat on the mat and the dog sat on the log; the cat sat"
 
 
-def measure(path: str, tokens: int, reps: int) -> dict[int, dict]:
-    llm = LLM(path, max_len=tokens + 64, checkpoint_interval=0)
+def measure(path: str, tokens: int, reps: int, prompt: str = PROMPT, chat: str | None = None) -> dict[int, dict]:
+    """chat: a question asked through the model's chat template instead of the plain prompt."""
+    llm = LLM(path, max_len=tokens + 512, checkpoint_interval=0)
+    if chat is not None:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": chat}])
     kw = dict(max_tokens=tokens, temperature=0, ignore_eos=True)
-    plain = llm.generate(PROMPT, speculative=False, **kw).token_ids
+    plain = llm.generate(prompt, speculative=False, **kw).token_ids
     rows: dict[int, dict] = {}
     for _ in range(reps):
         for k in (0, 1, 2, 3, 4):
             llm.spec_tokens = max(k, 1)
             llm.speculators.clear()
             start = time.perf_counter()
-            out = llm.generate(PROMPT, speculative="mtp" if k else False, **kw)
+            out = llm.generate(prompt, speculative="mtp" if k else False, **kw)
             seconds = time.perf_counter() - start
             if out.token_ids != plain:
                 raise AssertionError(f"k={k}: the output differs from plain decoding")
@@ -45,8 +48,10 @@ def main(argv=None) -> None:
     p.add_argument("model", help="a GGUF file or Hugging Face directory with an MTP layer")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--prompt", default=PROMPT, help="the text to continue (default: %(default)r)")
+    p.add_argument("--chat", metavar="QUESTION", help="ask this through the chat template instead")
     args = p.parse_args(argv)
-    rows = measure(args.model, args.tokens, args.reps)
+    rows = measure(args.model, args.tokens, args.reps, args.prompt, args.chat)
     for k, row in rows.items():
         line = f"k={k}  {row['tok_s']:7.1f} tok/s  {row['tok_s'] / rows[0]['tok_s']:5.2f}x plain"
         if k:

@@ -48,6 +48,7 @@ def main(argv=None):
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="concurrency levels (default 1 8)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per request (default 64)")
     p.add_argument("--rounds", type=int, default=2, help="requests per client (default 2)")
+    p.add_argument("--serve-args", default="", help="more `deltaserve serve` options, e.g. '--spec mtp --spec-max-batch 4'")
     p.add_argument("--json", help="write the results here as JSON")
     args = p.parse_args(argv)
 
@@ -55,7 +56,8 @@ def main(argv=None):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--port", str(port), "--slots", str(max(args.clients))]
+    cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--port", str(port), "--slots", str(max(args.clients)),
+           *args.serve_args.split()]
     server = subprocess.Popen(cmd + ([args.model] if args.model else []), stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120

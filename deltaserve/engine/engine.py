@@ -9,6 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from .constrain import grammar_tokenizer_ready, prepare_in_background
 from .request import Event, Request
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -34,8 +35,9 @@ class Metrics:
 class Engine:
     def __init__(self, model, tokenizer, *, n_slots: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
                  model_name: str = "deltaserve", checkpoint_interval: int = 512, cache_budget_mb: float = 1024.0,
-                 speculative: str | None = None, spec_tokens: int = 4):
-        """speculative: "ngram", "mtp" or a draft model's path, used by every request; see LLM for the other options."""
+                 speculative: str | None = None, spec_tokens: int = 4, spec_max_batch: int | None = None):
+        """speculative: "ngram", "mtp" or a draft model's path, used by every request; spec_max_batch: steps
+        decoding more sequences than this draft nothing (Scheduler); see LLM for the other options."""
         if n_slots < 1 or max_len < 2:  # a request needs a slot, and room for a prompt token and a new one
             raise ValueError(f"n_slots must be >= 1 and max_len >= 2, got {n_slots} and {max_len}")
         self.tokenizer = tokenizer
@@ -43,7 +45,7 @@ class Engine:
         self.runner = ModelRunner(model, n_slots=n_slots, max_len=max_len, checkpoint_interval=checkpoint_interval,
                                   cache_budget_mb=cache_budget_mb, mtp=speculative == "mtp")
         self.speculator = make_speculator(speculative, self.runner, spec_tokens) if speculative else None
-        self.scheduler = _TimedScheduler(self.runner, prefill_chunk)
+        self.scheduler = _TimedScheduler(self.runner, prefill_chunk, spec_max_batch)
         self.metrics = self.scheduler.metrics
         self._inbox: list[Request] = []
         self._calls: list[tuple[Callable, Future]] = []  # to run on the engine thread between two steps
@@ -51,6 +53,14 @@ class Engine:
         self._stopped = self._cancel_all = False
         self._thread = threading.Thread(target=self._loop, name="deltaserve-engine", daemon=True)
         self._thread.start()
+        # llguidance's tables for the vocabulary (most of a second for 248k tokens) are built now, beside the
+        # engine, rather than by the first request with response_format or a forced tool call
+        self._grammar_build = prepare_in_background(tokenizer, self.vocab_size)
+
+    def grammar_ready(self, timeout: float | None = 0) -> bool:
+        """Whether constrained decoding's view of the vocabulary is built (waiting up to `timeout` seconds)."""
+        self._grammar_build.join(timeout)
+        return grammar_tokenizer_ready(self.tokenizer, self.vocab_size)
 
     @property
     def max_len(self) -> int:
@@ -168,8 +178,8 @@ def _with_followers(reqs: list[Request]) -> list[Request]:
 class _TimedScheduler(Scheduler):
     """The scheduler, counting tokens and seconds per phase for /metrics."""
 
-    def __init__(self, runner, prefill_chunk):
-        super().__init__(runner, prefill_chunk)
+    def __init__(self, runner, prefill_chunk, spec_max_batch=None):
+        super().__init__(runner, prefill_chunk, spec_max_batch)
         self.metrics = Metrics()
 
     def _decode(self):

@@ -5,11 +5,12 @@
     for piece in llm.generate("ROMEO:", stream=True): print(piece, end="")
     llm.score(token_ids)               # float32 logits [T, vocab]
     llm.generate(prompt, temperature=0, speculative="ngram")   # "mtp" (the model's MTP layer), or a draft model's path
+    llm.generate("ROMEO:", n=4, seed=1)   # 4 choices from one prefill: a list of GenerationResults
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -30,6 +31,7 @@ from .scheduler import Scheduler
 from .speculative import Speculator, make_speculator
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "data" / "default.gguf"
+MAX_CHOICES = 64  # generate(n=...): each choice holds a slot (its state and KV cache) for the call
 
 
 @dataclass
@@ -53,7 +55,8 @@ def load(model: str | Path | None = None, *, dtype: torch.dtype = torch.float32,
 
 
 class LLM:
-    """Synchronous generation on one sequence slot; the server's Engine runs the same Scheduler in a thread."""
+    """Synchronous generation on one sequence slot (n of them from the first call that asks for n choices);
+    the server's Engine runs the same Scheduler in a thread."""
 
     def __init__(self, model: str | Path | None = None, *, dtype: torch.dtype = torch.float32, device="cpu",
                  weight_dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None, max_len: int = 4096,
@@ -83,30 +86,51 @@ class LLM:
     def generate(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop: list[str] | str = (),
                  ignore_eos: bool = False, stream: bool = False, speculative: str | Literal[False] | None = None,
-                 grammar: str | None = None, **sampling):
+                 grammar: str | None = None, n: int = 1, token_healing: bool = False, **sampling):
         """Continue `prompt` (text or token ids). Returns a GenerationResult, or with stream=True an iterator
         of text pieces as they are decided (text that may still turn into a stop string is held back).
         speculative: "ngram", "mtp", a draft model's path, False (off) or None (the LLM's default). Greedy
         output is the same with or without it. grammar: an llguidance grammar the output follows
-        (engine.grammar: json_grammar, tool_call_grammar). A failure on the way (the model, the sampler, a
-        drafter) raises DeltaserveError naming it, from the stream too; the slot starts over, so the next
+        (engine.grammar: json_grammar, tool_call_grammar). n > 1: a list of n GenerationResults, the choices
+        of one prefill whose state each copies (as the server's `n`); with a seed, choice i samples with
+        seed + i, so it equals generating alone with that seed. A failure on the way (the model, the sampler,
+        a drafter) raises DeltaserveError naming it, from the stream too; the slots start over, so the next
         call works. **sampling: the other SamplingParams (presence_penalty, frequency_penalty,
         repetition_penalty, logit_bias, min_tokens, stop_token_ids, logprobs, prompt_logprobs), which fill
-        GenerationResult's logprobs and prompt_logprobs."""
+        GenerationResult's logprobs and prompt_logprobs. token_healing: a prompt that ends inside a longer
+        token ("ROMEO." where the model learnt ".\n") is backed off by its last token and the first generated
+        token must start with that token's text, which the returned text leaves out (it continues the prompt
+        as given; token_ids hold the generated tokens)."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+            raise DeltaserveError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
+        if n > 1 and stream:
+            raise DeltaserveError("stream=True streams one choice; ask for n > 1 choices without it")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 min_p=min_p, seed=seed, stop=[stop] if isinstance(stop, str) else list(stop),
                                 ignore_eos=ignore_eos, grammar=grammar, **sampling)
         spec = self.speculative if speculative is None else speculative
-        events: list[Event] = []
-        req = Request(self._encode(prompt), params, self.tokenizer, on_event=events.append)
-        steps = self._run(req, events, self._speculator(spec) if spec else None)
+        ids = self._encode(prompt)
+        healed = self.tokenizer.healing(ids) if token_healing and len(ids) > 1 else None
+        if healed is not None:
+            ids = ids[:-1]
+            params = replace(params, first_tokens=healed[1])
+            prefix = self.tokenizer.decode([healed[0]])
+        if n > self.runner.n_slots:  # a slot per choice, so that each copies the prefilled state
+            self._new_runner(n_slots=n)
+        events: list[list[Event]] = [[] for _ in range(n)]
+        reqs = [Request(ids, p, self.tokenizer, on_event=events[i].append) for i, p in enumerate(params.choices(n))]
+        reqs[0].followers = reqs[1:]
+        steps = self._run(reqs, events, self._speculator(spec) if spec else None)
         if stream:
-            return self._texts(steps)
-        done = [e for e in steps if isinstance(e, Done)][-1]
-        if done.error:
-            raise DeltaserveError(done.error)
-        return GenerationResult(done.text, done.token_ids, done.reason, done.prompt_tokens, done.logprobs,
-                                done.prompt_logprobs)
+            return self._texts(steps, prefix if healed is not None else "")
+        ended = {i: e for i, e in steps if isinstance(e, Done)}
+        dones = [ended[i] for i in range(n)]
+        for done in dones:
+            if done.error:
+                raise DeltaserveError(done.error)
+        results = [GenerationResult(d.text[len(prefix):] if healed is not None else d.text, d.token_ids, d.reason, d.prompt_tokens, d.logprobs, d.prompt_logprobs)
+                   for d in dones]
+        return results if n > 1 else results[0]
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [T, vocab] for every position of token_ids, from a fresh state."""
@@ -121,46 +145,63 @@ class LLM:
 
     def _speculator(self, spec: str) -> Speculator:
         if spec == "mtp" and not has_mtp(self.model, self.runner.state):
-            # the slot must carry the MTP layer's cache from its first token: it starts over with one
-            self.runner = ModelRunner(self.model, **self._runner_args, mtp=True)
-            self.scheduler = Scheduler(self.runner, self.prefill_chunk)
-            self.speculators.clear()
+            # the slots must carry the MTP layer's cache from their first token: they start over with one
+            self._new_runner(mtp=True)
         if spec not in self.speculators:
             self.speculators[spec] = make_speculator(spec, self.runner, self.spec_tokens, self.dtype)
         return self.speculators[spec]
 
+    def _new_runner(self, n_slots: int | None = None, mtp: bool | None = None) -> None:
+        """Fresh slots (more of them, or with the MTP layer's cache): the live state and checkpoints go."""
+        if n_slots is not None:
+            self._runner_args["n_slots"] = n_slots
+        self.runner = ModelRunner(self.model, **self._runner_args,
+                                  mtp=has_mtp(self.model, self.runner.state) if mtp is None else mtp)
+        self.scheduler = Scheduler(self.runner, self.prefill_chunk)
+        self.speculators.clear()
+
     @staticmethod
-    def _texts(steps):
-        """The text pieces of a run's events; an error ends the stream by raising it."""
-        for event in steps:
+    def _texts(steps, skip: str = ""):
+        """The text pieces of a run's events, less the first len(skip) characters (a healed prompt's last
+        token); an error ends the stream by raising it."""
+        for _, event in steps:
             if isinstance(event, Delta):
-                yield event.text
+                text, cut = event.text[len(skip):], min(len(skip), len(event.text))
+                skip = skip[cut:]
+                if text:
+                    yield text
             elif event.error:
                 raise DeltaserveError(event.error)
 
-    def _run(self, req: Request, events: list[Event], speculator: Speculator | None = None):
-        self.scheduler.add(req, speculator)
+    def _run(self, reqs: list[Request], events: list[list[Event]], speculator: Speculator | None = None):
+        """(choice, event) as the requests' events arrive, until every request is done."""
+        self.scheduler.add(reqs[0], speculator)
         # a prompt of several chunks shows a prefill bar (on a terminal)
-        bar = progress_bar(len(req.prompt_ids), "prefill", unit="tok") if len(req.prompt_ids) > 2 * self.prefill_chunk \
-            else None
+        first = reqs[0]
+        bar = progress_bar(len(first.prompt_ids), "prefill", unit="tok") \
+            if len(first.prompt_ids) > 2 * self.prefill_chunk else None
+        done = 0
         try:
             while True:
-                while events:
-                    event = events.pop(0)
-                    yield event
-                    if isinstance(event, Done):
-                        return
+                for i, queue in enumerate(events):
+                    while queue:
+                        event = queue.pop(0)
+                        yield i, event
+                        done += isinstance(event, Done)
+                if done == len(reqs):
+                    return
                 self.scheduler.step()
                 if bar is not None:
-                    bar.update(req.n_fed - bar.n)
-                    if not req.prefilling:
+                    bar.update(first.n_fed - bar.n)
+                    if not first.prefilling:
                         bar.close()
                         bar = None
-        finally:  # a stream abandoned half-way (or a failed one) frees its slot
+        finally:  # a stream abandoned half-way (or a failed one) frees its slots
             if bar is not None:
                 bar.close()
-            if req.done is None:
-                req.cancelled = True
+            if any(r.done is None for r in reqs):
+                for req in reqs:
+                    req.cancelled = True
                 self.scheduler.step()
 
     def _encode(self, prompt) -> list[int]:

@@ -34,11 +34,18 @@ LOGPROB_CHUNK = 128
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, prefill_chunk: int = 512):
+    def __init__(self, runner: ModelRunner, prefill_chunk: int = 512, spec_max_batch: int | None = None):
+        """spec_max_batch: a decode step of more sequences than this decodes them all plainly, without drafts
+        (a batched pass is already many tokens wide, and verifying k more for each costs more than the
+        accepted drafts save); None: draft at any batch size."""
         if prefill_chunk < 1:  # a budget of 0 would leave every prompt waiting for ever
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if spec_max_batch is not None and spec_max_batch < 1:
+            raise ValueError(f"spec_max_batch must be >= 1, got {spec_max_batch}")
         self.runner = runner
         self.prefill_chunk = prefill_chunk
+        self.spec_max_batch = spec_max_batch
+        self.plain_steps = 0  # decode steps that drafted nothing because the batch was larger than spec_max_batch
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.speculators: dict[Request, Speculator] = {}
@@ -100,7 +107,11 @@ class Scheduler:
         batch = [r for r in self.running if r.pending is not None and not r.cancelled]
         if not batch:
             return
-        drafts = self._draft([r for r in batch if r in self.speculators])
+        drafting = [r for r in batch if r in self.speculators]
+        if drafting and self.spec_max_batch is not None and len(batch) > self.spec_max_batch:
+            drafting = []
+            self.plain_steps += 1
+        drafts = self._draft(drafting)
         plain = [r for r in batch if r not in drafts and r.done is None]  # a failed draft ended its request
         if plain:
             self._batched(plain, self._decode_plain, self._decode_alone)

@@ -16,6 +16,7 @@ import jsonschema
 from deltaserve.callforms import THINK_CLOSE, THINK_OPEN, CallForm, form_of_template
 from deltaserve.engine.constrain import grammar_error
 from deltaserve.engine.grammar import Tool, json_grammar, tool_call_grammar
+from deltaserve.engine.schema import SchemaError
 from deltaserve.tokenizer import Tokenizer
 
 from .errors import APIError
@@ -43,7 +44,11 @@ def chat_grammar(body, tokenizer: Tokenizer, prompt_ids: list[int], n_vocab: int
     thinking = opens_thinking(tokenizer.decode(prompt_ids))
     if forced is not None:
         form = form_of_template(tokenizer.chat_template) or CallForm.JSON
-        grammar = tool_call_grammar(forced, form, parallel=body.parallel_tool_calls is not False, thinking=thinking)
+        try:
+            grammar = tool_call_grammar(forced, form, parallel=body.parallel_tool_calls is not False,
+                                        thinking=thinking)
+        except SchemaError as e:
+            raise APIError(400, f"tools: the schema cannot be used for constrained decoding: {e}", "tools") from None
         param = "tools"
     else:
         grammar, param = json_grammar(schema or None, thinking), "response_format"

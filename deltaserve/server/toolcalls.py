@@ -2,11 +2,11 @@
 
 Events, in order: (CONTENT, text), (CALL, index, id, name) when a call's function is known, then
 (ARGUMENTS, index, fragment) pieces whose concatenation is the call's arguments as a JSON object. An XML
-call's parameters arrive as text and are typed by the tool's JSON schema ("3" -> 3 for an integer); each
-one goes out when its </parameter> arrives. A JSON call goes out whole at its </tool_call>. A block that
-is not a call (no <function=NAME> header, JSON that does not parse) stays in the content as written; a
-call cut off by the length limit keeps the parameters it completed. The whitespace that separates calls
-from the text around them is layout and is dropped.
+call's parameters arrive as text and are typed by the tool's JSON schema ("3" -> 3 for an integer; $refs
+followed); each one goes out when its </parameter> arrives. A JSON call goes out whole at its </tool_call>.
+A block that is not a call (no <function=NAME> header, JSON that does not parse) stays in the content as
+written; a call cut off by the length limit keeps the parameters it completed. The whitespace that
+separates calls from the text around them is layout and is dropped.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from deltaserve.callforms import (CALL_CLOSE, CALL_OPEN, FUNCTION_CLOSE, FUNCTION_OPEN, PARAMETER_CLOSE,
                                   PARAMETER_OPEN, CallForm)
+from deltaserve.engine.schema import resolved_properties
 
 from .reasoning import CONTENT, held_back
 
@@ -50,9 +51,30 @@ def _types(schema: Any) -> list[str]:
     return found
 
 
+def _choices(schema: Any) -> list:
+    """The enum / const values of a schema and of its union's members."""
+    if not isinstance(schema, dict):
+        return []
+    found = [schema["const"]] if "const" in schema else list(schema.get("enum") or [])
+    for key in ("anyOf", "oneOf"):
+        for option in schema.get(key) or []:
+            found += _choices(option)
+    return found
+
+
 def typed_value(text: str, schema: Any) -> Any:
-    """An XML parameter's text as its schema's type; text that is none of the types stays a string."""
+    """An XML parameter's text as its schema's type; text that is none of the types stays a string. Where the
+    schema lists values that are not all strings (enum [1, "auto"]), text that is the JSON of one of them
+    is that value (the grammar writes such an enum as JSON)."""
     value = text.strip()
+    choices = _choices(schema)
+    if any(not isinstance(c, str) for c in choices):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = text
+        if any(type(c) is type(parsed) and c == parsed for c in choices):
+            return parsed
     for kind in _types(schema):
         if kind == "integer" and _INTEGER.fullmatch(value):
             return int(value)
@@ -82,6 +104,7 @@ class ToolCallParser:
 
     def __init__(self, form: CallForm, tools: list[dict] | None, new_id: Callable[[], str]):
         self.form, self.schemas, self.new_id = form, schemas_of(tools), new_id
+        self.properties: dict[str, dict] = {}  # function name -> its parameters' schemas, $refs followed
         self.buf = ""
         self.in_call = False  # inside <tool_call>: buf holds the block read so far
         self.calls = 0
@@ -197,8 +220,9 @@ class ToolCallParser:
             self.in_value = True
             return False
         value = body[:stop].removeprefix("\n").removesuffix("\n")
-        schema = self.schemas.get(self.name, {}).get("properties", {})
-        typed = typed_value(value, schema.get(name) if isinstance(schema, dict) else None)
+        if self.name not in self.properties:
+            self.properties[self.name] = resolved_properties(self.schemas.get(self.name, {}))
+        typed = typed_value(value, self.properties[self.name].get(name))
         piece = f"{json.dumps(name, ensure_ascii=False)}: {json.dumps(typed, ensure_ascii=False)}"
         out.append((ARGUMENTS, self.calls - 1, ("{" if not self.params else ", ") + piece))
         self.params += 1

@@ -17,10 +17,11 @@ from llguidance.torch import fill_next_token_bitmask
 
 from deltaserve.callforms import CallForm
 from deltaserve.convert.presets import TOKENIZER_TEXT, train_tokenizer
-from deltaserve.engine.constrain import Constraint, apply_masks, grammar_error
+from deltaserve.engine.constrain import (Constraint, apply_masks, grammar_error, grammar_tokenizer,
+                                         grammar_tokenizer_ready)
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.grammar import Tool, closed, json_grammar, tool_call_grammar
-from deltaserve.engine.llm import LLM
+from deltaserve.engine.llm import LLM, load
 from deltaserve.engine.sampling import SamplingParams
 from deltaserve.errors import DeltaserveError
 from deltaserve.tokenizer import train_bpe
@@ -233,21 +234,40 @@ def test_batched_constrained_requests_leave_their_neighbours_unchanged(embedded,
         engine.close()
 
 
-def test_speculative_decoding_under_a_grammar_gives_plain_decodings_tokens():
+@pytest.mark.parametrize("drafter", ["ngram", "mtp"])
+def test_speculative_decoding_under_a_grammar_gives_plain_decodings_tokens(drafter):
     """Greedy speculative decoding gives the tokens of plain decoding, also under a grammar: the drafts are
     checked against it, and the matcher returns with the rolled-back state. A prompt that repeats itself
-    makes the ngram drafter propose, some drafts the grammar refuses."""
+    makes the ngram drafter propose, some drafts the grammar refuses; the embedded model's own MTP layer
+    drafts whatever its training makes likely, which the grammar refuses often."""
     llm = LLM(None, max_len=512)
     tok = llm.tokenizer
     prompt = tok.encode('{"name": "ROMEO", "age": 16, "role": "user", "active": true}\n' * 3)
     for schema in (PERSON, ORDER):
         grammar = json_grammar(schema)
         plain = llm.generate(prompt, max_tokens=150, temperature=0, grammar=grammar, speculative=False)
-        spec = llm.generate(prompt, max_tokens=150, temperature=0, grammar=grammar, speculative="ngram")
+        spec = llm.generate(prompt, max_tokens=150, temperature=0, grammar=grammar, speculative=drafter)
         assert spec.token_ids == plain.token_ids and plain.finish_reason == "stop"
         jsonschema.validate(json.loads(spec.text), schema)
         sampled = llm.generate(prompt, max_tokens=150, temperature=1.0, seed=4, grammar=grammar,
-                               speculative="ngram")
+                               speculative=drafter)
         jsonschema.validate(json.loads(sampled.text), schema)
-    stats = llm.speculators["ngram"]
+    stats = llm.speculators[drafter]
     assert stats.proposed > 0 and stats.accepted > 0  # drafting happened, and some drafts were kept
+
+
+def test_the_engine_builds_the_grammar_tokenizer_when_it_loads(tiny_gguf):
+    """The vocabulary's tables for llguidance are built beside a new engine, not by its first constrained
+    request: ready after a bounded wait with no request made, and that very build is what the request uses."""
+    model, tok = load(tiny_gguf)  # a tokenizer of its own: nothing was built for it yet
+    assert not grammar_tokenizer_ready(tok, model.config.vocab_size)
+    engine = Engine(model, tok, n_slots=1, max_len=256)
+    try:
+        assert engine.grammar_ready(timeout=60)
+        built = grammar_tokenizer(tok, model.config.vocab_size)
+        done = _submit(engine, tok.encode("ROMEO:"), SamplingParams(max_tokens=100, temperature=1.0, seed=1,
+                                                                     grammar=json_grammar(PERSON)))()
+        jsonschema.validate(json.loads(done.text), PERSON)
+        assert grammar_tokenizer(tok, model.config.vocab_size) is built
+    finally:
+        engine.close()

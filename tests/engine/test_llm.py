@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from deltaserve.engine.llm import LLM
+from deltaserve.engine.runner import ModelRunner
 from deltaserve.errors import DeltaserveError
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
@@ -84,3 +85,28 @@ def test_context_limit_ends_generation_with_length(tiny_gguf):
 def test_bad_prompts_raise_one_clear_error(llm, prompt, match):
     with pytest.raises(DeltaserveError, match=match):
         llm.generate(prompt)
+
+
+def test_n_choices_come_from_one_prefill_each_with_its_own_seed(tiny_gguf, monkeypatch):
+    """Choice i of n is what generating alone with seed + i gives (the server's `n` seeds its choices so too),
+    and the prompt is prefilled once: the other choices copy its state."""
+    alone = LLM(tiny_gguf, max_len=128)
+    prompt = alone.tokenizer.encode("ROMEO: what light")
+    solo = [alone.generate(prompt, max_tokens=10, temperature=1.0, seed=7 + i, ignore_eos=True) for i in range(3)]
+    llm = LLM(tiny_gguf, max_len=128)
+    fed = []  # the rows of every forward pass
+    real = ModelRunner.forward
+    monkeypatch.setattr(ModelRunner, "forward", lambda self, slots, toks, **kw:
+                        fed.append([len(t) for t in toks]) or real(self, slots, toks, **kw))
+    choices = llm.generate(prompt, max_tokens=10, temperature=1.0, seed=7, ignore_eos=True, n=3)
+    monkeypatch.undo()
+    assert [c.token_ids for c in choices] == [s.token_ids for s in solo]
+    assert len({tuple(c.token_ids) for c in choices}) > 1  # the seeds differ, and so do the choices
+    assert fed[0] == [len(prompt)] and all(rows == [1, 1, 1] for rows in fed[1:])  # one prefill, then decodes
+    greedy = llm.generate(prompt, max_tokens=10, temperature=0, n=4)
+    assert len(greedy) == 4 and all(c.token_ids == greedy[0].token_ids for c in greedy)
+    assert greedy[0].token_ids == alone.generate(prompt, max_tokens=10, temperature=0).token_ids
+    with pytest.raises(DeltaserveError, match="n must be"):
+        llm.generate(prompt, n=0)
+    with pytest.raises(DeltaserveError, match="stream"):
+        llm.generate(prompt, n=2, stream=True)

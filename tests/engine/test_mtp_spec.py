@@ -90,14 +90,16 @@ def test_aligned_mtp_drafts_are_accepted_and_output_is_unchanged(mtp_path):
     assert 0.2 < s.acceptance_rate < 1 and s.steps < 0.8 * len(out.token_ids)  # drafts taken and refused
 
 
-@pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next"])
-def test_batched_mtp_requests_each_get_their_plain_output(arch, mtp_path):
+@pytest.mark.parametrize("arch, max_batch", [("qwen35moe", None), ("qwen3next", 2)])
+def test_batched_mtp_requests_each_get_their_plain_output(arch, max_batch, mtp_path):
+    """Every slot drafting, or (max_batch 2) steps of three sequences decoding plainly and steps of fewer
+    drafting: either way each request gets its plain greedy output."""
     prompts = ["a b a b a b a b", "one two three one two three one", "Quietly", PROMPT]
     solo = LLM(mtp_path(arch), max_len=128)
     want = [solo.generate(p, max_tokens=25, **GREEDY).token_ids for p in prompts]
     model, tokenizer = load(mtp_path(arch))
     engine = Engine(model, tokenizer, n_slots=3, max_len=128, prefill_chunk=8, checkpoint_interval=16,
-                    speculative="mtp", spec_tokens=3)
+                    speculative="mtp", spec_tokens=3, spec_max_batch=max_batch)
     try:
         done, finished = {}, threading.Event()
 
@@ -116,6 +118,7 @@ def test_batched_mtp_requests_each_get_their_plain_output(arch, mtp_path):
         engine.close()
     assert [done[i].token_ids for i in range(len(prompts))] == want
     assert engine.speculator.steps > 0
+    assert (engine.scheduler.plain_steps > 0) == (max_batch is not None)  # three at once: no drafts
 
 
 def test_sampled_mtp_output_follows_the_model_distribution(mtp_path):

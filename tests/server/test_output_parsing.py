@@ -165,7 +165,10 @@ def test_without_tools_calls_are_content():
     ("null", {"anyOf": [{"type": "integer"}, {"type": "null"}]}, None),
     ("[1, \"a\"]", {"type": "array"}, [1, "a"]), ("{\"a\": 1}", {"type": "array"}, "{\"a\": 1}"),
     ("{bad", {"type": "object"}, "{bad"), (" keep spaces ", {"type": "string"}, " keep spaces "),
-    ("5", None, "5"), ("5", {"enum": [5]}, "5"),
+    ("5", None, "5"), ("5", {"enum": ["5"]}, "5"), ("5", {"enum": [5, "auto"]}, 5),
+    ("\"auto\"", {"enum": [5, "auto"]}, "auto"),
+    ("true", {"anyOf": [{"const": True}, {"enum": ["a"]}]}, True), ("1", {"enum": [True, 2]}, "1"),
+    ("a", {"anyOf": [{"enum": ["a"]}, {"enum": [1]}]}, "a"),
 ])
 def test_parameter_values_are_typed_by_the_schema(text, schema, expected):
     value = typed_value(text, schema)
@@ -204,3 +207,16 @@ def test_any_text_parses_without_error_the_same_whole_or_cut(form):
         for pieces in ([text[:cut], text[cut:]], list(text)):
             deltas, message = fed(fmt, pieces)
             assert without_ids(message) == expected == without_ids(joined(deltas)), (text, pieces)
+
+
+def test_xml_values_are_typed_through_refs():
+    """A tool's schema as pydantic writes it: the parameters object and its properties behind $refs."""
+    booking = {"type": "function", "function": {"name": "book", "parameters": {"$ref": "#/$defs/Booking", "$defs": {
+        "Booking": {"type": "object", "properties": {"nights": {"$ref": "#/$defs/Nights"},
+                                                     "guest": {"$ref": "#/$defs/Guest"},
+                                                     "note": {"anyOf": [{"$ref": "#/$defs/Nights"}, {"type": "null"}]},
+                                                     "name": {"type": "string"}}},
+        "Nights": {"type": "integer"}, "Guest": {"type": "object"}}}}}
+    arguments = {"nights": 3, "guest": {"name": "Ann"}, "note": None, "name": "7"}
+    message = fed(OutputFormat(form=XML, tools=[booking]), [render_call(XML, "book", arguments)])[1]
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == arguments

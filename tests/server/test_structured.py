@@ -135,6 +135,13 @@ def test_forced_tool_calls_are_valid_calls_of_allowed_tools(client, choice):
       "tool_choice": "required"}, "tools", "not a valid JSON schema"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      "one of them"),
+    # the tiny model writes the XML form: a raw string must meet its pattern, so one with look-ahead is refused
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "k": {"type": "string", "pattern": "^(?!x)"}}}}}], "tool_choice": "required"}, "tools",
+     "tool 'f', parameter 'k': pattern '^(?!x)' cannot be used: look-around"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "$ref": "#/$defs/A", "$defs": {"A": {"$ref": "#/$defs/A"}}}}}], "tool_choice": "required"}, "tools",
+     "a cycle of $refs"),
 ])
 def test_bad_structured_output_requests_get_a_400_naming_the_parameter(server, body, param, fragment):
     response = httpx.post(server.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 5, **body},
