@@ -185,7 +185,9 @@ def cmd_serve(args):
     if spread and (args.cache_dir or args.slot_save_path):
         raise DeltaserveError(f"{'--cache-dir' if args.cache_dir else '--slot-save-path'} does not work with "
                               "--pp / --tp yet: part of each checkpoint lies on the other ranks")
-    loaded = _join(args) if spread else load(args.model, dtype=getattr(torch, args.dtype), kv_dtype=_kv_dtype(args))
+    # _join also refuses --micro-batches without --pp
+    loaded = _join(args) if spread or args.micro_batches > 1 else \
+        load(args.model, dtype=getattr(torch, args.dtype), kv_dtype=_kv_dtype(args))
     if loaded is None:
         return  # a worker rank: rank 0 has stopped
     model, tokenizer = loaded

@@ -241,14 +241,15 @@ def _print(report: dict, args) -> None:
         r0 = ranks[0]
         link = _link_us(r0["bytes_per_token"], r0["messages_per_token"], args.latency_us)
         rss = " / ".join(f"{r['peak_rss_mb']:.0f}" for r in ranks)
-        busy = ", ".join(" / ".join(f"{b[k]:.0%}" for b in r0.get("stage_busy", [])) for k in ("prefill", "decode"))
+        busy = ", ".join(" / ".join(f"{b[k]:.0%}" for b in r0["stage_busy"]) for k in ("prefill", "decode")) \
+            if "stage_busy" in r0 else ""
         print(f"{name:14}{r0['prefill_tok_s']:14.1f}{r0['decode_tok_s']:13.2f}{r0['bytes_per_token']:13.0f}"
               f"{r0['messages_per_token']:10.0f}{link:18.1f}{rss:>20}{busy:>28}")
     la = report["load_average_before"], report["load_average_after"]
     prefill = [f"{k} {report[k]['ranks'][0]['prefill_bytes_per_token']:.0f}" for k in report["runs"]
                if "ranks" in report[k]]
-    print(f"{args.batch} sequences at once; tokens/s count all of them. Prefill moves {', '.join(prefill) or 'nothing'} "
-          f"bytes a prompt token. Link cost: bytes at 10 Gb/s plus {args.latency_us:g} us a sequential message. "
+    print(f"{args.batch} sequences at once; tokens/s count all of them. Prefill moves "
+          f"{', '.join(prefill) or 'nothing'} bytes a prompt token. Link cost: bytes at 10 Gb/s plus {args.latency_us:g} us a sequential message. "
           f"{report['cpus']} CPUs, {args.threads} threads in all; load average {la[0][0]:.2f} before, "
           f"{la[1][0]:.2f} after (a loaded machine slows every configuration alike).")
 
