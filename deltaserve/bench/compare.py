@@ -88,7 +88,10 @@ def _matmul_weights(model) -> list:
 
 def _kernels(model) -> str:
     """Which decode kernel reads how many MB of the weights, by storage form."""
+    import torch
+
     from deltaserve.models import packed
+    from deltaserve.models.layers import q8_int8
 
     names = {"uint8": "linear_packed", "int8": "linear_q8", "float16": "linear_f16"}
     mb, types = {}, {}
@@ -96,6 +99,8 @@ def _kernels(model) -> str:
         kernel = names.get(str(w.dtype).removeprefix("torch."), f"torch ({str(w.dtype).removeprefix('torch.')})")
         if packed.is_packed(w) and packed.uses_int8(w):
             kernel = "linear_int8"
+        elif w.dtype == torch.int8 and q8_int8(torch.empty(0, w.shape[-1])):
+            kernel = "linear_q8_int8"
         mb[kernel] = mb.get(kernel, 0) + w.nbytes / 1e6
         if packed.is_packed(w):
             types.setdefault(kernel, set()).update(t.name for t, _ in w.packing.segments)

@@ -24,7 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from deltaserve.models import packed
 from deltaserve.ops import fused
 
-_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of a block's float16 scales
+_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,)}  # byte offsets of a block's float16 scales
 _HIDDEN, _ROWS = 1024, 6144  # the 0.8B shapes: hidden size, a fused projection's output rows
 
 
@@ -62,19 +62,20 @@ def peaks() -> dict:
 
 
 def _matrix(qtype: Q, N: int, K: int, seed: int = 0) -> torch.Tensor:
-    """A packed [N, K] matrix of random codes with small finite scales."""
+    """A packed [N, K] matrix of random codes with small finite scales, held as a model holds it (row panels
+    where the kernels read those)."""
     block, size = GGML_QUANT_SIZES[qtype]
     raw = np.random.default_rng(seed).integers(0, 256, size=(N * K // block, size), dtype=np.uint8)
     for at in _SCALES[qtype]:
         raw[:, at:at + 2] = np.full(raw.shape[0], 0.01, dtype=np.float16).view(np.uint8).reshape(-1, 2)
-    return packed.parameter(torch.from_numpy(raw.reshape(-1)), packed.Packing(((qtype, N),), (N, K)))
+    return packed.to_panels(packed.parameter(torch.from_numpy(raw.reshape(-1)), packed.Packing(((qtype, N),), (N, K))))
 
 
 def kernel_rates() -> list[dict]:
     """Rows of (kernel, format, shape, seconds, rate, unit, peak key) for the decode GEMV and prefill GEMM."""
     ext, rows = fused.extension(), []
     M, N = 256, _HIDDEN  # a prefill GEMM of a few ms (longer calls are preempted on a shared machine)
-    for qtype in sorted(_SCALES):
+    for qtype in sorted(t for t in _SCALES if t in packed.int8_types()):
         # decode: matrices in turn, 4x the L3 in all, so the weights come from memory as in a model
         mats = [_matrix(qtype, _ROWS, _HIDDEN, seed=i) for i in range(max(1, (128 << 20) // (_ROWS * _HIDDEN // 2)))]
         x, y = torch.randn(1, _HIDDEN), torch.empty(1, _ROWS)
@@ -86,11 +87,37 @@ def kernel_rates() -> list[dict]:
         t = _best(lambda: ext.linear_int8(xs, w, w.packing.table, ys))
         rows.append(dict(kernel="linear_int8 prefill", format=qtype.name, shape=f"{M}x{N}x{_HIDDEN}", seconds=t,
                          rate=2 * M * N * _HIDDEN / t / 1e9, unit="GOP/s", peak="int8_gops"))
+    if ext.q8_int8():
+        rows += _q8_rates(ext, M, N)
     a, b = torch.randn(M, _HIDDEN), torch.randn(N, _HIDDEN)
     t = _best(lambda: torch.mm(a, b.T))
     rows.append(dict(kernel="torch.mm prefill", format="F32", shape=f"{M}x{N}x{_HIDDEN}", seconds=t,
                      rate=2 * M * N * _HIDDEN / t / 1e9, unit="GFLOP/s", peak="fma_gflops"))
     return rows
+
+
+def _q8_matrix(N: int, K: int, seed: int = 0) -> torch.Tensor:
+    """A Q8_0 [N, K] weight (int8 + float16 scales, as layers.quantize_q8 keeps a Q8_0 file's) of random codes."""
+    rng = np.random.default_rng(seed)
+    w = torch.from_numpy(rng.integers(-127, 128, size=(N, K), dtype=np.int8))
+    w.scale = torch.full((N, K // 32), 0.01, dtype=torch.float16)
+    return w
+
+
+def _q8_rates(ext, M: int, N: int) -> list[dict]:
+    """The Q8_0 integer kernels at the same shapes as the K-quants'."""
+    mats = [_q8_matrix(_ROWS, _HIDDEN, seed=i) for i in range(max(1, (128 << 20) // (_ROWS * _HIDDEN)))]
+    x, y = torch.randn(1, _HIDDEN), torch.empty(1, _ROWS)
+    t = _fastest_of([lambda w=w: ext.linear_q8_int8(x, w, w.scale, y) for w in mats * 3])
+    nbytes = mats[0].numel() * 34 // 32
+    out = [dict(kernel="linear_q8_int8 decode", format="Q8_0", shape=f"1x{_ROWS}x{_HIDDEN}", seconds=t,
+                rate=nbytes / t / 1e9, unit="GB/s", peak="read_gbps")]
+    w = _q8_matrix(N, _HIDDEN)
+    xs, ys = torch.randn(M, _HIDDEN), torch.empty(M, N)
+    t = _best(lambda: ext.linear_q8_int8(xs, w, w.scale, ys))
+    out.append(dict(kernel="linear_q8_int8 prefill", format="Q8_0", shape=f"{M}x{N}x{_HIDDEN}", seconds=t,
+                    rate=2 * M * N * _HIDDEN / t / 1e9, unit="GOP/s", peak="int8_gops"))
+    return out
 
 
 def report(threads: int) -> dict:

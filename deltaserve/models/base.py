@@ -146,6 +146,10 @@ class HybridModel(nn.Module, ABC):
     def run_layers(self, h: torch.Tensor, rope, state: HybridState | None, slots, start, snaps: Snapshots | None,
                    layers: range) -> torch.Tensor:
         """Hidden states h [N, T, E] through layers `layers` (all of them, or a pipeline stage's own)."""
+        if state is not None and snaps is None:
+            stepped = self.decode_step(h, rope, state, slots, start, layers)
+            if stepped is not None:
+                return stepped
         for i in layers:
             layer = self.layers[i]
             x = layer.input_norm(h)
@@ -161,6 +165,11 @@ class HybridModel(nn.Module, ABC):
             h = h + x
             h = h + layer.ffn(layer.post_norm(h))
         return h
+
+
+    def decode_step(self, h: torch.Tensor, rope, state: HybridState, slots, start, layers: range) -> torch.Tensor | None:
+        """run_layers in one C++ call where the family has one and this step is its case (None: the modules run)."""
+        return None
 
 
 def conv_tape(conv_state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,9 @@ from deltaserve.ops import fused
 # from memory once and is widened in registers); above it a float32 GEMM on the widened weight is faster.
 _GEMV_ROWS = 16
 Q8_BLOCK = 32  # weights per scale in a Q8_0 row
+# Q8_0 weights multiply activations rounded per 32 to Q8_0, as llama.cpp does on these files (its speed and its
+# rounding; ops/csrc/int8q8.h), where this CPU has the instructions. False: float32 activations (exact weights).
+Q8_INT8_ACTIVATIONS = True
 _DEQUANT_BYTES = 4 << 20  # a GEMM on a float16 / Q8_0 weight widens this much of it at a time
 
 
@@ -34,6 +37,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.dtype == x.dtype:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
+    if weight.dtype == torch.int8 and q8_int8(x):
+        y = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
+        fused.extension().linear_q8_int8(rows.float().contiguous(), weight, weight.scale, y)
+        y = y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+        return y if bias is None else y + bias.to(y.dtype)
     if (weight.dtype in (torch.float16, torch.int8) and x.dtype == torch.float32 and rows.shape[0] <= _GEMV_ROWS
             and x.device.type == "cpu" and fused.available()):
         y = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
@@ -53,6 +61,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     for r in range(0, weight.shape[0], step):
         torch.mm(rows, dequantize(part(weight, slice(r, r + step)), x.dtype).T, out=y2[:, r:r + step])
     return y if bias is None else y + bias.to(y.dtype)
+
+
+def q8_int8(x: torch.Tensor) -> bool:
+    """Whether linear() multiplies Q8_0 weights by x rounded to Q8_0 (see Q8_INT8_ACTIVATIONS)."""
+    return (Q8_INT8_ACTIVATIONS and x.device.type == "cpu" and x.shape[-1] % Q8_BLOCK == 0 and fused.available()
+            and fused.extension().q8_int8())
 
 
 def dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

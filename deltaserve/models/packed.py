@@ -24,10 +24,11 @@ from deltaserve.models.weights import IDENTITY, Cat, Leaf, Layout
 from deltaserve.ops import fused
 
 TYPES = frozenset({Q.Q4_0, Q.IQ4_NL, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})  # those the kernels read (kquants.h)
-INT8_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})  # those with integer dot-product kernels (int8dot.h)
-# Matrices all of INT8_TYPES multiply activations rounded to int8 per 256 (llama.cpp's Q8_K), as llama.cpp does on
+INT8_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})  # with integer dot-product kernels in every build (int8dot.h)
+# Matrices all of int8_types() multiply activations rounded to int8 per 256 (llama.cpp's Q8_K), as llama.cpp does on
 # these files: its speed, and its rounding. False: float32 activations times the exact weights (slower).
 INT8_ACTIVATIONS = True
+PANEL_ROWS = 16  # rows per panel (ops/csrc/panels.h)
 _GEMV_ROWS = 16  # up to this many activation rows the GEMV reads the blocks; above, dequantise + GEMM
 _DEQUANT_BYTES = 4 << 20  # the float32 rows a GEMM widens at a time
 
@@ -35,20 +36,27 @@ _DEQUANT_BYTES = 4 << 20  # the float32 rows a GEMM widens at a time
 @dataclass(frozen=True, eq=False)
 class Packing:
     """How a packed parameter's bytes hold its matrices: `segments` ((type, rows), ...) of each matrix in row
-    order, the logical `shape` [..., N, K], and `x_index` (gather x[..., x_index] before the file's rows
-    multiply it) or None."""
+    order, the logical `shape` [..., N, K], `x_index` (gather x[..., x_index] before the file's rows
+    multiply it) or None, and `panels`: K-quant rows held 16 to a panel (ops/csrc/panels.h; see to_panels)."""
 
     segments: tuple[tuple[Q, int], ...]
     shape: tuple[int, ...]
     x_index: torch.Tensor | None = None
-    table: torch.Tensor = field(init=False)  # int64 [S, 4] for the kernels: type, first row, end row, byte offset
+    panels: bool = False
+    # int64 [S, 5] for the kernels: type, first row, end row, byte offset, rows per panel (16, or 0: as in the file)
+    table: torch.Tensor = field(init=False)
 
     def __post_init__(self):
         rows, offset, table = 0, 0, []
         for qtype, n in self.segments:
-            table.append((int(qtype), rows, rows + n, offset))
+            table.append((int(qtype), rows, rows + n, offset, PANEL_ROWS if self.panels and qtype in int8_types() else 0))
             rows, offset = rows + n, offset + n * row_bytes(qtype, self.shape[-1])
-        object.__setattr__(self, "table", torch.tensor(table, dtype=torch.int64).view(-1, 4))
+        object.__setattr__(self, "table", torch.tensor(table, dtype=torch.int64).view(-1, 5))
+
+    @functools.cached_property
+    def int8(self) -> bool:
+        """Whether every segment's type has integer kernels in this build."""
+        return all(qtype in int8_types() for qtype, _ in self.segments)
 
     @property
     def nbytes(self) -> int:
@@ -58,7 +66,7 @@ class Packing:
     @functools.cached_property
     def matrix(self) -> Packing:
         """The packing of one of stacked matrices (made once: experts are taken apart every step)."""
-        return Packing(self.segments, self.shape[1:], self.x_index)
+        return Packing(self.segments, self.shape[1:], self.x_index, self.panels)
 
 
 def row_bytes(qtype: Q, K: int) -> int:
@@ -75,6 +83,32 @@ def parameter(data: torch.Tensor, packing: Packing) -> nn.Parameter:
     p = nn.Parameter(data, requires_grad=False)
     p.packing = packing
     return p
+
+
+@functools.cache
+def int8_types() -> frozenset:
+    """The types with integer kernels in this machine's build: INT8_TYPES, and IQ4_XS where vpdpbusd takes its
+    codes (AVX-512 VNNI)."""
+    if not fused.available():
+        return INT8_TYPES
+    return frozenset(Q(t) for t in fused.extension().int8_types())
+
+
+def panels_here() -> bool:
+    """Whether this machine's integer kernels read K-quant matrices in row panels (AVX-512 builds)."""
+    return fused.available() and fused.extension().int8_panels() == PANEL_ROWS
+
+
+def to_panels(w: torch.Tensor) -> torch.Tensor:
+    """Packed parameter w with its K-quant rows moved into row panels, in place (its bytes and nothing else), where
+    this machine's kernels read them so; w unchanged otherwise."""
+    pk = w.packing
+    if pk.panels or not panels_here() or not any(qtype in int8_types() for qtype, _ in pk.segments):
+        return w
+    out = parameter(w.data, Packing(pk.segments, pk.shape, pk.x_index, panels=True))
+    for matrix in out.data.view(-1, pk.nbytes):  # one matrix at a time (stacked experts)
+        fused.extension().to_panels(matrix, out.packing.table, pk.shape[-1])
+    return out
 
 
 def part(w: torch.Tensor, index: int) -> torch.Tensor:
@@ -157,10 +191,11 @@ def rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _rows_torch(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """rows() through the torch dequantisers (no C++ compiler here), a segment at a time."""
+    """rows() through the torch dequantisers (no C++ compiler here, so no panels), a segment at a time."""
     pk, K = w.packing, w.packing.shape[-1]
+    assert not pk.panels, "row panels are made only where the C++ kernels run"
     out = torch.empty(ids.numel(), K)
-    for qtype, first, end, offset in pk.table.tolist():
+    for qtype, first, end, offset, _ in pk.table.tolist():
         inside = (ids >= first) & (ids < end)
         if inside.any():
             size = row_bytes(Q(qtype), K)
@@ -185,27 +220,34 @@ def dequantize(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W^T (+ bias) in x's dtype for a packed matrix W: K-quant matrices through the integer kernels (see
     INT8_ACTIVATIONS); otherwise up to 16 rows of float32 activations through the GEMV kernel (the blocks stream
-    from memory once), more through float32 GEMMs on blocks of dequantised rows."""
+    from memory once), more through float32 GEMMs on blocks of dequantised rows. (A decode step makes ~100 of
+    these calls: no-op conversions are skipped, each costs a microsecond.)"""
     pk = w.packing
     N, K = pk.shape
-    xr = x.reshape(-1, K)
+    xr = x.view(-1, K) if x.is_contiguous() else x.reshape(-1, K)
     if pk.x_index is not None:
         xr = xr.index_select(1, pk.x_index)
-    if uses_int8(w) and x.device.type == "cpu" and fused.available():
+    cpu = x.device.type == "cpu" and fused.available()
+    if cpu and uses_int8(w):
         y = torch.empty(xr.shape[0], N)
-        fused.extension().linear_int8(xr.float().contiguous(), w.contiguous(), pk.table, y)
-    elif xr.shape[0] <= _GEMV_ROWS and x.dtype == torch.float32 and x.device.type == "cpu" and fused.available():
+        xr = xr if xr.dtype == torch.float32 else xr.float()
+        fused.extension().linear_int8(xr if xr.is_contiguous() else xr.contiguous(), w, pk.table, y)
+    elif cpu and xr.shape[0] <= _GEMV_ROWS and x.dtype == torch.float32:
         y = torch.empty(xr.shape[0], N)
-        fused.extension().linear_packed(xr.contiguous(), w.contiguous(), pk.table, y)
+        fused.extension().linear_packed(xr.contiguous(), w, pk.table, y)
     else:
         y = _blocked_gemm(xr, w)
-    y = y.view(*x.shape[:-1], N).to(x.dtype)
+    y = y.view(*x.shape[:-1], N)
+    y = y if y.dtype == x.dtype else y.to(x.dtype)
     return y if bias is None else y + bias.to(y.dtype)
 
 
 def uses_int8(w: torch.Tensor) -> bool:
     """Whether linear() multiplies packed matrix w by activations rounded to int8 (see INT8_ACTIVATIONS)."""
-    return INT8_ACTIVATIONS and all(qtype in INT8_TYPES for qtype, _ in w.packing.segments)
+    return INT8_ACTIVATIONS and w.packing.int8
+
+
+
 
 
 def _blocked_gemm(xr: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -257,7 +299,7 @@ def read(layout: Layout, ckpt) -> nn.Parameter | None:
         torch.cat([raw.reshape(-1) for _, raw in m], out=flat[i])
     for name in _leaf_names(layout):
         _drop_pages(ckpt, name)
-    return parameter(data, packing)
+    return to_panels(parameter(data, packing))
 
 
 def _pieces(layout: Layout, ckpt):

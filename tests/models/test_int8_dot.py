@@ -21,7 +21,7 @@ from tests.models.test_packed_weights import assert_matmul, packed_matrix
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="the C++ kernels did not build here")
 
-INT8 = sorted(packed.INT8_TYPES)
+INT8 = sorted(packed.int8_types())  # the K-quants, and IQ4_XS where the build has AVX-512 VNNI
 
 
 def q8k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,33 +54,41 @@ def run(x, w):
     return y
 
 
-# 8 activation rows a pass over a weight row (4 in the AVX2 build), weight rows in tiles of 16 above that
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 40], ids=lambda r: f"rows{r}")
+PANELS = [pytest.param(False, id="file-rows"), pytest.param(True, id="panels")]
+
+
+# decode (up to 8 activation rows; 4 in the AVX2 build): rows at a time, or 16-row panels 4 activation rows a pass
+# with the last out_rows % 16 rows at a time; above, weight rows in tiles of 16
+@pytest.mark.parametrize("panels", PANELS)
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 17, 40], ids=lambda r: f"rows{r}")
 @pytest.mark.parametrize("out_rows", [1, 37], ids=lambda n: f"out{n}")
 @pytest.mark.parametrize("qtype", INT8, ids=lambda t: t.name)
-def test_kernel_matches_q8k_reference(qtype, out_rows, rows):
+def test_kernel_matches_q8k_reference(qtype, out_rows, rows, panels):
     K = 768  # three blocks
-    w, ref = packed_matrix([(qtype, out_rows)], K, seed=rows + out_rows)
+    w, ref = packed_matrix([(qtype, out_rows)], K, seed=rows + out_rows, panels=panels)
     x = torch.randn(rows, K) * torch.rand(rows, 1) * 4
     assert_int8_matmul(run(x, w), x, ref)
 
 
-def test_mixed_types_zero_rows_and_outliers():
+@pytest.mark.parametrize("panels", PANELS)
+@pytest.mark.parametrize("rows", [1, 6, 11], ids=lambda r: f"rows{r}")
+def test_mixed_types_zero_rows_and_outliers(rows, panels):
     """A projection mixing the three types (llama.cpp's Q4_K_M keeps parts in Q6_K), rows of x that are zero
     (scale 0) and one with an outlier that takes all of its block's range."""
     K = 512
-    w, ref = packed_matrix([(Q.Q6_K, 5), (Q.Q4_K, 19), (Q.Q5_K, 3), (Q.Q6_K, 9)], K, seed=7)
-    x = torch.randn(11, K)
-    x[2] = 0
-    x[5, :256] = 0
-    x[7, 100] = 1e4
+    segments = [(Q.Q6_K, 21), (Q.Q4_K, 35), (Q.Q5_K, 19), (Q.Q6_K, 9)] + [(Q.IQ4_XS, 18)] * (Q.IQ4_XS in INT8)
+    w, ref = packed_matrix(segments, K, seed=7, panels=panels)
+    x = torch.randn(rows, K)
+    x[min(2, rows - 1)] = 0
+    x[-1, :256] = 0
+    x[rows // 2, 100] = 1e4
     assert_int8_matmul(run(x, w), x, ref)
 
 
 def test_linear_takes_the_integer_kernels_and_can_be_told_not_to(monkeypatch):
     """packed.linear: K-quant matrices through the integer kernels (bf16 activations too, held column order);
     INT8_ACTIVATIONS = False gives the float32 product of the exact weights; a matrix with a type the integer
-    kernels lack (IQ4_XS) stays on the float kernels."""
+    kernels lack (IQ4_NL) stays on the float kernels."""
     K = 512
     order = torch.randperm(K, generator=torch.Generator().manual_seed(1))
     w, ref = packed_matrix([(Q.Q4_K, 21), (Q.Q6_K, 6)], K, seed=3, x_index=order)
@@ -94,13 +102,13 @@ def test_linear_takes_the_integer_kernels_and_can_be_told_not_to(monkeypatch):
     monkeypatch.setattr(packed, "INT8_ACTIVATIONS", False)
     assert_matmul(linear(x, w), x[..., order], ref[:, order])
     monkeypatch.setattr(packed, "INT8_ACTIVATIONS", True)
-    w2, ref2 = packed_matrix([(Q.Q4_K, 4), (Q.IQ4_XS, 3)], K, seed=4)
+    w2, ref2 = packed_matrix([(Q.Q4_K, 4), (Q.IQ4_NL, 3)], K, seed=4)
     assert_matmul(linear(x, w2), x, ref2)
 
 
 def test_bad_calls_are_named():
-    w, _ = packed_matrix([(Q.IQ4_XS, 3)], 256, seed=1)
-    with pytest.raises(RuntimeError, match="type 23 has no integer kernel"):
+    w, _ = packed_matrix([(Q.Q4_0, 3)], 256, seed=1)
+    with pytest.raises(RuntimeError, match="type 2 has no integer kernel"):
         run(torch.randn(2, 256), w)
     w, _ = packed_matrix([(Q.Q4_K, 3)], 256, seed=1)
     with pytest.raises(RuntimeError, match="float32 \\[M, K\\]"):

@@ -23,9 +23,12 @@ def float_activations(monkeypatch):
     monkeypatch.setattr(packed, "INT8_ACTIVATIONS", False)
 
 
-def packed_matrix(segments, K, seed=0, x_index=None):
+def packed_matrix(segments, K, seed=0, x_index=None, panels=False):
     """A packed [N, K] matrix of random blocks (finite scales), rows in `segments` ((type, rows), ...), and its
-    values from gguf-py as float64 (in held column order)."""
+    values from gguf-py as float64 (in held column order); panels: its K-quant rows moved into row panels (the
+    test is skipped where the kernels read none)."""
+    if panels and not packed.panels_here():
+        pytest.skip("this build's integer kernels read rows as the file holds them (no AVX-512)")
     rng = np.random.default_rng(seed)
     raws, values = [], []
     for qtype, n in segments:
@@ -35,6 +38,9 @@ def packed_matrix(segments, K, seed=0, x_index=None):
     w = packed.parameter(torch.from_numpy(np.concatenate(raws)),
                          packed.Packing(tuple(segments), (sum(n for _, n in segments), K), x_index))
     ref = torch.from_numpy(np.concatenate(values))
+    if panels:
+        w = packed.to_panels(w)
+        assert w.packing.panels
     return w, ref if x_index is None else ref[:, torch.argsort(x_index)]
 
 
@@ -51,9 +57,16 @@ def assert_matmul(y, x, ref):
     assert torch.all(err <= bound), f"worst error {float((err / bound).max()):.2f}x the bound"
 
 
+PANELS = [pytest.param(False, id="file-rows"), pytest.param(True, id="panels")]
+
+
+@pytest.mark.parametrize("panels", PANELS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_rows_are_the_files_values(qtype):
-    w, ref = packed_matrix([(qtype, 37)], row_width(qtype), seed=int(qtype))
+def test_rows_are_the_files_values(qtype, panels):
+    """Rows as the file holds them, or (K-quants) 16 to a panel, the last 37 % 16 as they were."""
+    if panels and qtype not in packed.int8_types():
+        pytest.skip("only rows of types with integer kernels go into panels")
+    w, ref = packed_matrix([(qtype, 37)], row_width(qtype), seed=int(qtype), panels=panels)
     assert torch.equal(dequantize(w, torch.float32).double(), ref)  # the C++ decoders, bit for bit
     ids = torch.tensor([[36, 0, 5], [5, 17, 36]])
     assert torch.equal(embed_tokens(w, ids, torch.float32).double(), ref[ids])
@@ -67,7 +80,7 @@ def test_rows_are_the_files_values(qtype):
 def test_linear_matches_float64(qtype, out_rows, rows, monkeypatch):
     monkeypatch.setattr(packed, "_DEQUANT_BYTES", 1)
     K = row_width(qtype)
-    w, ref = packed_matrix([(qtype, out_rows)], K, seed=rows)
+    w, ref = packed_matrix([(qtype, out_rows)], K, seed=rows, panels=qtype in packed.int8_types() and packed.panels_here())
     x = torch.randn(rows, K)
     bias = torch.randn(out_rows)
     y = linear(x.view(1, rows, K), w, bias)
@@ -75,23 +88,30 @@ def test_linear_matches_float64(qtype, out_rows, rows, monkeypatch):
     assert_matmul(y - bias, x, ref)
 
 
+@pytest.mark.parametrize("panels", PANELS)
 @pytest.mark.parametrize("rows", [1, 5, 20], ids=lambda r: f"rows{r}")
-def test_mixed_types_and_held_column_order(rows):
+def test_mixed_types_and_held_column_order(rows, panels):
     """A fused projection whose parts llama.cpp quantised differently, columns held in another order than the
     file's (Qwen3.5's tiled value heads): the segments and the gather of x must line up with the values."""
     K = 512
     order = torch.randperm(K, generator=torch.Generator().manual_seed(1))
-    w, ref = packed_matrix([(Q.Q6_K, 5), (Q.Q4_K, 19), (Q.Q6_K, 3), (Q.IQ4_XS, 9)], K, seed=2, x_index=order)
+    w, ref = packed_matrix([(Q.Q6_K, 21), (Q.Q4_K, 35), (Q.Q6_K, 3), (Q.IQ4_XS, 9), (Q.Q5_K, 17)], K, seed=2,
+                           x_index=order, panels=panels)
     assert torch.equal(dequantize(w, torch.float32).double(), ref)
     x = torch.randn(rows, K)
     assert_matmul(linear(x, w), x, ref)
 
 
-def test_experts_are_parts_of_stacked_matrices():
+@pytest.mark.parametrize("panels", PANELS)
+def test_experts_are_parts_of_stacked_matrices(panels):
     K, n = 256, 3
-    mats = [packed_matrix([(Q.Q4_K, 20), (Q.Q6_K, 12)], K, seed=e) for e in range(n)]
+    mats = [packed_matrix([(Q.Q4_K, 20), (Q.Q6_K, 17)], K, seed=e) for e in range(n)]
     stacked = packed.parameter(torch.stack([w.data for w, _ in mats]),
-                               packed.Packing(mats[0][0].packing.segments, (n, 32, K)))
+                               packed.Packing(mats[0][0].packing.segments, (n, 37, K)))
+    if panels:
+        if not packed.panels_here():
+            pytest.skip("this build's integer kernels read rows as the file holds them (no AVX-512)")
+        stacked = packed.to_panels(stacked)
     x = torch.randn(4, K)
     for e, (_, ref) in enumerate(mats):
         assert_matmul(linear(x, part(stacked, e)), x, ref)

@@ -1,5 +1,7 @@
 """The Q8_0 form of a weight (int8 + a float16 scale per 32): gguf-py's own blocks, and the same numbers as
-float32 in linear() (float16 weights too) and embed_tokens(). Whole models stored this way: test_stored_weights.py."""
+float32 in linear() (float16 weights too) and embed_tokens(); with activations rounded per 32 to Q8_0 (the
+integer kernels, as llama.cpp), the float64 product of the rounded activations. Whole models stored this way:
+test_stored_weights.py."""
 
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ from gguf import quants as gguf_quants
 
 from deltaserve.models import layers
 from deltaserve.models.layers import dequantize, embed_tokens, linear, quantize_q8
+from deltaserve.ops import fused
 
 
 def q8_values(N, K, seed=0):
@@ -49,6 +52,7 @@ def test_values_not_in_q8_form_are_refused(case):
 @pytest.mark.parametrize("form", ["q8_0", "float16"])
 def test_linear_with_narrow_weight_matches_float64(form, rows, out_rows, monkeypatch):
     monkeypatch.setattr(layers, "_DEQUANT_BYTES", 100 * 96 * 4)
+    monkeypatch.setattr(layers, "Q8_INT8_ACTIVATIONS", False)
     w, _ = q8_values(out_rows, 96, seed=1)
     if form == "q8_0":
         p = quantize_q8(w)
@@ -65,3 +69,83 @@ def test_embedding_rows_of_a_q8_table():
     w, _ = q8_values(50, 64, seed=2)
     ids = torch.tensor([[3, 1, 49], [0, 3, 7]])
     assert torch.equal(embed_tokens(quantize_q8(w), ids, torch.float32), w[ids])
+
+
+def q8_0_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as llama.cpp's quantize_row_q8_0 rounds it, in float64: per 32, d = max|x| / 127, q = nearest(x / d)
+    (with the float32 d), values q * d with d kept as float16."""
+    xb = x.numpy().astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = np.abs(xb).max(-1, keepdims=True) / np.float32(127)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.rint(xb * inv)
+    return torch.from_numpy((q * d.astype(np.float16).astype(np.float64)).reshape(x.shape))
+
+
+int8_kernels = pytest.mark.skipif(not (fused.available() and fused.extension().q8_int8()),
+                                  reason="this CPU has no AVX-512 VNNI (the Q8_0 integer kernels)")
+
+
+# decode: a row at a time for up to 8 activation rows (K = 96: a pair of blocks and one alone); above, tiles of
+# 16 weight rows (37 rows: two full, one of 5)
+@int8_kernels
+@pytest.mark.parametrize("K", [96, 544], ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("out_rows", [1, 37], ids=lambda n: f"out{n}")
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40], ids=lambda r: f"rows{r}")
+def test_int8_kernels_match_the_rounded_activations(rows, out_rows, K):
+    w, _ = q8_values(max(out_rows, 2), K, seed=rows + K)
+    w = w[:out_rows].contiguous()
+    p = quantize_q8(w)
+    x = torch.randn(rows, K) * torch.rand(rows, 1) * 3
+    x[0, 32:64] = 0  # a block of zeros: scale 0
+    if rows > 2:
+        x[2, 5] = 1e4  # an outlier takes its block's whole range
+    y = linear(x, p)
+    xq = q8_0_rounded(x)
+    expected = xq @ w.double().T
+    bound = 1e-5 * (xq.abs() @ w.double().abs().T) + 1e-30
+    err = (y.double() - expected).abs()
+    assert torch.all(err <= bound), f"worst {float((err / bound).max()):.2f}x the bound"
+    # and within half a step of every activation of the exact product
+    step = torch.from_numpy(np.repeat(np.abs(x.numpy()).reshape(rows, -1, 32).max(-1) / 127, 32, axis=1))
+    assert torch.all((y.double() - x.double() @ w.double().T).abs() <= 0.5 * step.double() @ w.double().abs().T + bound)
+
+
+@int8_kernels
+def test_int8_kernel_calls_are_checked():
+    p = quantize_q8(q8_values(4, 64)[0])
+    with pytest.raises(RuntimeError, match="float32 \\[M, K\\]"):
+        fused.extension().linear_q8_int8(torch.randn(2, 64).double(), p, p.scale, torch.empty(2, 4))
+    with pytest.raises(RuntimeError, match="scale must be float16"):
+        fused.extension().linear_q8_int8(torch.randn(2, 64), p, p.scale.float(), torch.empty(2, 4))
+
+
+@int8_kernels
+@pytest.mark.parametrize("arch", ["qwen35", "qwen3next"])
+def test_q8_0_model_matches_llama_cpp(arch, tmp_path, monkeypatch):
+    """A Q8_0 file: last-token logits nearer llama.cpp's with activations rounded to Q8_0 (its arithmetic on these
+    files) than with float32 ones, and 32 greedy tokens identical unless llama.cpp's own top-2 margin at the first
+    difference is below 5e-2 std (these tiny random models amplify a rounding that lands the other way at a tie)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    import torch
+    from deltaserve.convert import make_model
+    from deltaserve.engine.llm import LLM
+    from tests.models.test_llama_cpp_parity import PROMPT, llama, llama_greedy, llama_last_logits, rel_diff
+
+    path = make_model(arch, "tiny", "q8_0", tmp_path / f"{arch}.gguf", seed=5).gguf_path
+    ours, ref = LLM(path, max_len=256, kv_dtype=torch.float32), llama(path)
+    assert ours.model.layers[0].mixer.out_proj.weight.dtype == torch.int8  # the file's Q8_0 kept
+    ids = ours.tokenizer.encode(PROMPT)
+    theirs = llama_last_logits(ref, ids)
+    gap = rel_diff(ours.score(ids)[-1].double().numpy(), theirs)
+    monkeypatch.setattr(layers, "Q8_INT8_ACTIVATIONS", False)
+    float_gap = rel_diff(ours.score(ids)[-1].double().numpy(), theirs)
+    monkeypatch.setattr(layers, "Q8_INT8_ACTIVATIONS", True)
+    assert gap < 3e-2 and gap < float_gap, (gap, float_gap)
+    mine = ours.generate(ids, max_tokens=32, temperature=0, ignore_eos=True).token_ids
+    expected = llama_greedy(ref, ids, 32)
+    if mine != expected:
+        at = next(i for i, (a, b) in enumerate(zip(mine, expected)) if a != b)
+        logits = llama_last_logits(ref, ids + expected[:at])
+        top2 = np.sort(logits)[-2:]
+        assert (top2[1] - top2[0]) / logits.std() < 5e-2, f"greedy text parts at token {at} with a clear margin"
+    ref.close()

@@ -7,6 +7,7 @@ import torch
 from deltaserve.engine.llm import LLM
 from deltaserve.models.common import Rows
 from deltaserve.loader import open_checkpoint
+from deltaserve.models import layers
 from deltaserve.models.layers import Linear, dequantize
 from deltaserve.convert import make_model
 
@@ -18,6 +19,7 @@ from deltaserve.convert import make_model
 @pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "qwen3next", "kimi-linear"])
 def test_stored_weights_match_f32_storage(arch, file_dtype, stored, text, tmp_path, monkeypatch):
     monkeypatch.setattr(Rows, "BLOCK", 37)  # the embedding arrives in several blocks of rows
+    monkeypatch.setattr(layers, "Q8_INT8_ACTIVATIONS", False)  # float32 activations here (int8: test_q8_weights.py)
     path = tmp_path / f"{arch}.gguf"
     make_model(arch, "tiny", file_dtype, path, seed=3)
     # by default the weights stay in the file's form; the KV caches alike in both (float16 is their default

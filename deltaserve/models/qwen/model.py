@@ -16,10 +16,11 @@ from torch import nn
 from deltaserve.models.base import HybridModel, conv_tape
 from deltaserve.models.layers import MLP, GatedAttention, Linear, RMSNorm, RotaryEmbedding, SparseMoE
 from deltaserve.models.mtp import MTPHead
+from deltaserve.models.qwen import plan
 from deltaserve.models.qwen.config import QwenConfig
 from deltaserve.models.weights import (IDENTITY, NEG_EXP, PLUS_ONE, Param, cat, either, leaf, per_head, reshape,
                                        stack, tiled_heads)
-from deltaserve.ops import causal_conv1d, gated_delta_rule
+from deltaserve.ops import causal_conv1d, fused, gated_delta_rule
 
 
 class GatedDeltaNet(nn.Module):
@@ -51,7 +52,13 @@ class GatedDeltaNet(nn.Module):
         N, T, _ = x.shape
         H, HV, K, V = self.H, self.HV, self.K, self.V
         cached = conv_state is not None
-        qkv, z, b, a = self.in_proj(x).split([self.conv_dim, HV * V, HV, HV], dim=-1)
+        proj = self.in_proj(x)
+        if not snapshots and slots is not None and _core_applies(proj, conv_state, ssm_state, self.conv_weight):
+            # inference on the caches: conv, gates, delta rule and gated norm in one C++ call
+            o = fused.extension().gdn_core(proj, self.conv_weight, conv_state, slots, self.A, self.dt_bias, ssm_state,
+                                           self.norm.weight, self.norm.eps, H)
+            return self.out_proj(o)
+        qkv, z, b, a = proj.split([self.conv_dim, HV * V, HV, HV], dim=-1)
         tape = conv_tape(conv_state, slots, qkv) if snapshots else None
         qkv, _ = causal_conv1d(qkv, self.conv_weight, conv_state=conv_state, state_indices=slots, inplace=cached,
                                activation="silu", out=qkv if cached else None)  # inference: over its input
@@ -64,6 +71,12 @@ class GatedDeltaNet(nn.Module):
         o = self.norm(o, gate=z.view(N, T, HV, V), inplace=True)  # [N, T, HV, V]
         y = self.out_proj(o.reshape(N, T, HV * V))
         return (y, tape, ssm_snaps[0]) if snapshots else y
+
+
+def _core_applies(proj, conv_state, ssm_state, conv_weight) -> bool:
+    """Whether gdn_core computes this call: inference on float32 contiguous CPU caches and projection."""
+    return (conv_state is not None and not torch.is_grad_enabled() and proj.is_cpu and fused.available()
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (proj, conv_state, ssm_state, conv_weight)))
 
 
 class DecoderLayer(nn.Module):
@@ -115,6 +128,9 @@ class QwenModel(HybridModel):
     def attend(self, layer, x, rope, k_cache, v_cache, slots, start):
         cos, sin = rope
         return layer.mixer(x, cos, sin, k_cache, v_cache, slots, start)
+
+    def decode_step(self, h, rope, state, slots, start, layers):
+        return plan.step(self, h, rope, state, slots, start, layers)
 
     # -- the checkpoint contract --------------------------------------------------------------------
 

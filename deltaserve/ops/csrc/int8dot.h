@@ -34,10 +34,14 @@ struct alignas(64) WBlock {
   float d, o;
 };
 
-// one row's 256 activations rounded to int8 (Q8_K): x ~ d * q; bs[i] = sum of q over elements 16i .. 16i + 15
+// one row's 256 activations rounded to int8 (Q8_K): x ~ d * q; bs[i] = sum of q over elements 16i .. 16i + 15,
+// bs32[i] over 32i .. 32i + 31. qp: q in the order of Q4_K / Q5_K codes as one 64-byte load of their nibbles
+// opens them (int8gemv.h): per 128 elements, quarters 0, 2 (the low nibbles), then 1, 3 (the high ones).
 struct alignas(64) XBlock {
   int8_t q[256];
+  int8_t qp[256];
   int16_t bs[16];
+  int16_t bs32[8];
   float d;
 };
 
@@ -47,7 +51,14 @@ constexpr int kRows = 8;  // activation rows per pass over a weight row: int32 +
 constexpr int kRows = 4;  // 16 ymm registers
 #endif
 
-inline bool int8_type(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+// IQ4_XS's codes (its levels + 128, up to 241) pass int16 in vpmaddubsw's pairs: only vpdpbusd builds take them
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kIQ4Int8 = true;
+#else
+constexpr bool kIQ4Int8 = false;
+#endif
+
+inline bool int8_type(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K || (kIQ4Int8 && type == IQ4_XS); }
 
 inline float half(const uint8_t* p) {
 #if defined(__F16C__)
@@ -83,20 +94,22 @@ inline void quantize_block(const float* x, XBlock& out) {
   }
 #endif
   out.d = a / 127.f;
+  for (int h = 0; h < 2; ++h)
+    for (int quarter = 0; quarter < 4; ++quarter)
+      std::memcpy(out.qp + 128 * h + 32 * quarter, out.q + 128 * h + 32 * ((quarter % 2) * 2 + quarter / 2), 32);
+  for (int i = 0; i < 8; ++i) out.bs32[i] = static_cast<int16_t>(out.bs[2 * i] + out.bs[2 * i + 1]);
 }
 
-// x [M, K] as XBlocks, rows in groups of kRows (fewer in the last), each group [K / 256][rows]: a group's rows
-// for one weight block lie together.
-inline std::vector<XBlock> quantize_rows(const float* x, int64_t M, int64_t K) {
+// x [M, K] as XBlocks into out [M * K / 256], rows in groups of kRows (fewer in the last), each group
+// [K / 256][rows]: a group's rows for one weight block lie together.
+inline void quantize_rows(const float* x, int64_t M, int64_t K, XBlock* out) {
   const int64_t nb = K / 256;
-  std::vector<XBlock> out(M * nb);
   at::parallel_for(0, M, 8, [&](int64_t lo, int64_t hi) {
     for (int64_t m = lo; m < hi; ++m) {
       const int64_t g = m / kRows * kRows, rows = std::min<int64_t>(kRows, M - g);
       for (int64_t b = 0; b < nb; ++b) quantize_block(x + m * K + 256 * b, out[g * nb + b * rows + m - g]);
     }
   });
-  return out;
 }
 
 // -- weight blocks ---------------------------------------------------------------------------------
@@ -198,11 +211,27 @@ inline void open_q6_k(const uint8_t* b, WBlock& w) {
   }
 }
 
+// IQ4_XS: d f16 | scales_h u16 | scales_l[4] | qs[128]; codes = level + 128, scale = 6-bit scale - 32 per 32
+// (twice per 16), offset 128 scale
+inline void open_iq4_xs(const uint8_t* b, WBlock& w) {
+  for (int ib = 0; ib < 8; ++ib) {
+    const int sc = iq4xs_scale(b, ib);
+    w.sc[2 * ib] = w.sc[2 * ib + 1] = static_cast<int16_t>(sc);
+    w.off[2 * ib] = w.off[2 * ib + 1] = static_cast<int16_t>(128 * sc);
+    for (int j = 0; j < 16; ++j) {
+      w.q[32 * ib + j] = static_cast<uint8_t>(kIQ4Levels[b[8 + 16 * ib + j] & 0xF] + 128);
+      w.q[32 * ib + 16 + j] = static_cast<uint8_t>(kIQ4Levels[b[8 + 16 * ib + j] >> 4] + 128);
+    }
+  }
+  w.d = w.o = half(b);
+}
+
 inline void open_block(int64_t type, const uint8_t* b, WBlock& w) {
   switch (type) {
     case Q4_K: return open_k4(b, b + 16, nullptr, w);
     case Q5_K: return open_k4(b, b + 48, b + 16, w);
     case Q6_K: return open_q6_k(b, w);
+    case IQ4_XS: return open_iq4_xs(b, w);
   }
   layout(type);  // throws, naming the type
 }

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "int8dot.h"
+#include "int8gemv.h"
 
 namespace deltaserve {
 namespace kq {
@@ -34,7 +35,7 @@ inline void open_panels(const Segments& seg, const uint8_t* base, int64_t n0, in
   std::memset(static_cast<void*>(p), 0, sizeof(Panel) * nb);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t s = seg.find(n0 + r);
-    open_row(seg.type(s), seg.row(base, s, n0 + r, K), nb, scratch);
+    open_row(seg.type(s), native_row(seg, base, s, n0 + r, K, row_scratch(K)), nb, scratch);
     for (int64_t b = 0; b < nb; ++b) {
       const WBlock& w = scratch[b];
       for (int c = 0; c < 64; ++c) std::memcpy(p[b].q[c][r], w.q + 4 * c, 4);
@@ -105,25 +106,114 @@ inline void panel_group(int64_t mb, const Panel* p, const XBlock* x, int64_t nb,
   }
 }
 
-// y [M, N] = xq (quantize_rows of x [M, K]) @ W^T, threads over tiles of 16 weight rows, each opened into
-// panels once and run over every group of activation rows.
-inline void gemm_panels(const Segments& seg, const uint8_t* base, const std::vector<XBlock>& xq, int64_t M, int64_t K,
-                        float* y) {
+// The Panel of one block of a row panel (panels.h): codes unpacked into element order, scales and offsets of the
+// 16 rows widened, straight from the panel's runs (no row is rebuilt).
+inline void open_row_panel(int64_t type, const uint8_t* panel, int64_t nb, int64_t b, Panel& out) {
+  const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30), bit4 = _mm512_set1_epi8(0x10);
+  auto put = [&](int c, __m512i v) { _mm512_store_si512(out.q[c], v); };
+  uint8_t words[16][12];  // Q4_K / Q5_K: each row's 12 scale bytes
+  if (type == IQ4_XS) {
+    const uint8_t* p = panel + b * 2176;
+    alignas(16) uint8_t levels[16];
+    for (int i = 0; i < 16; ++i) levels[i] = static_cast<uint8_t>(kIQ4Levels[i] + 128);
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(levels)));
+    for (int ib = 0; ib < 8; ++ib)
+      for (int l4 = 0; l4 < 4; ++l4) {
+        const __m512i v = _mm512_loadu_si512(p + (ib * 4 + l4) * 64);
+        put(8 * ib + l4, _mm512_shuffle_epi8(lut, _mm512_and_si512(v, m4)));
+        put(8 * ib + 4 + l4, _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4)));
+      }
+    for (int r = 0; r < 16; ++r) {
+      uint8_t native[8];  // d | scales_h | scales_l of row r
+      std::memcpy(native, p + 2048 + 2 * r, 2);
+      std::memcpy(native + 2, p + 2080 + 2 * r, 2);
+      std::memcpy(native + 4, p + 2112 + 4 * r, 4);
+      for (int ib = 0; ib < 8; ++ib) {
+        const int sc = iq4xs_scale(native, ib);
+        out.sc[2 * ib][r] = out.sc[2 * ib + 1][r] = sc;
+        out.off[ib][r] = static_cast<int32_t>(static_cast<uint16_t>(128 * sc) | static_cast<uint32_t>(static_cast<uint16_t>(128 * sc)) << 16);
+      }
+      out.d[r] = out.o[r] = half(native);
+    }
+    return;
+  }
+  if (type == Q6_K) {
+    const uint8_t* p = panel + b * 3328;
+    for (int n = 0; n < 2; ++n)
+      for (int l4 = 0; l4 < 8; ++l4) {
+        const uint8_t* run = p + (2 * n + l4 / 4) * 832 + (l4 % 4) * 192;  // panels.h's Q6_K order
+        const __m512i a = _mm512_loadu_si512(run), c = _mm512_loadu_si512(run + 64), h = _mm512_loadu_si512(run + 128);
+        put(32 * n + l4, _mm512_ternarylogic_epi32(a, m4, _mm512_and_si512(_mm512_slli_epi16(h, 4), m30), 0xEA));
+        put(32 * n + 8 + l4, _mm512_ternarylogic_epi32(c, m4, _mm512_and_si512(_mm512_slli_epi16(h, 2), m30), 0xEA));
+        put(32 * n + 16 + l4, _mm512_ternarylogic_epi32(_mm512_srli_epi16(a, 4), m4, _mm512_and_si512(h, m30), 0xEA));
+        put(32 * n + 24 + l4, _mm512_ternarylogic_epi32(_mm512_srli_epi16(c, 4), m4, _mm512_and_si512(_mm512_srli_epi16(h, 2), m30), 0xEA));
+      }
+    for (int r = 0; r < 16; ++r) {
+      for (int i = 0; i < 16; ++i) out.sc[i][r] = static_cast<int8_t>(p[(2 * (i / 8) + i % 2) * 832 + 768 + 16 * ((i % 8) / 2) + r]);
+      for (int i = 0; i < 8; ++i)
+        out.off[i][r] = static_cast<int32_t>(static_cast<uint16_t>(32 * out.sc[2 * i][r]) | static_cast<uint32_t>(static_cast<uint16_t>(32 * out.sc[2 * i + 1][r])) << 16);
+      out.d[r] = out.o[r] = half(panel + nb * 3328 + 32 * b + 2 * r);
+    }
+    return;
+  }
+  const bool q5 = type == Q5_K;
+  const uint8_t* p = panel + b * (q5 ? 2816 : 2304);
+  const int64_t at = q5 ? 2560 : 2048;  // the scale words, then d, dmin
+  for (int j = 0; j < 4; ++j)
+    for (int l4 = 0; l4 < 8; ++l4) {
+      const __m512i v = _mm512_loadu_si512(p + (j * 8 + l4) * 64);
+      __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      if (q5) {  // bit 2j (2j + 1) of the high-bit bytes: each bit shifted down to 0, then up to 4
+        const __m512i h = _mm512_loadu_si512(p + 2048 + l4 * 64);
+        lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(h, 2 * j), 4), bit4));
+        hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(h, 2 * j + 1), 4), bit4));
+      }
+      put(16 * j + l4, lo);
+      put(16 * j + 8 + l4, hi);
+    }
+  for (int r = 0; r < 16; ++r) {
+    for (int u = 0; u < 3; ++u) std::memcpy(words[r] + 4 * u, p + at + 64 * u + 4 * r, 4);
+    uint8_t sc[8], mn[8];
+    k4_scales(words[r], sc, mn);
+    for (int i = 0; i < 16; ++i) out.sc[i][r] = sc[i / 2];
+    for (int i = 0; i < 8; ++i) out.off[i][r] = static_cast<int32_t>(mn[i] | static_cast<uint32_t>(mn[i]) << 16);
+    out.d[r] = half(p + at + 192 + 2 * r);
+    out.o[r] = half(p + at + 224 + 2 * r);
+  }
+}
+
+// y [M, N] = xq (quantize_rows of x [M, K]) @ W^T, threads over tiles of up to 16 weight rows of one segment (its
+// row panels, then its other rows 16 at a time), each opened into Panels once and run over every group of
+// activation rows.
+inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* xq, int64_t M, int64_t K, float* y) {
   const int64_t nb = K / 256, N = seg.rows;
-  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t lo, int64_t hi) {
+  struct Tile {
+    int64_t s, n0, rows;
+    bool panel;
+  };
+  std::vector<Tile> tiles;
+  for (int64_t s = 0; s < seg.S; ++s) {
+    const int64_t pend = seg.first(s) + seg.panel_rows(s);
+    for (int64_t n = seg.first(s); n < pend; n += kPanel) tiles.push_back({s, n, kPanel, true});
+    for (int64_t n = pend; n < seg.end(s); n += kPanel) tiles.push_back({s, n, std::min(kPanel, seg.end(s) - n), false});
+  }
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t lo, int64_t hi) {
     std::vector<WBlock> scratch(nb);
     std::vector<Panel> panels(nb);
     for (int64_t t = lo; t < hi; ++t) {
-      const int64_t n0 = 16 * t, rows = std::min<int64_t>(16, N - n0);
-      open_panels(seg, base, n0, rows, K, scratch.data(), panels.data());
+      const Tile& tile = tiles[t];
+      if (tile.panel)
+        for (int64_t b = 0; b < nb; ++b) open_row_panel(seg.type(tile.s), seg.row(base, tile.s, tile.n0, K), nb, b, panels[b]);
+      else
+        open_panels(seg, base, tile.n0, tile.rows, K, scratch.data(), panels.data());
       for (int64_t g = 0; g < M; g += kRows)
-        panel_group(std::min<int64_t>(kRows, M - g), panels.data(), xq.data() + g * nb, nb, y + g * N + n0, N, rows);
+        panel_group(std::min<int64_t>(kRows, M - g), panels.data(), xq + g * nb, nb, y + g * N + tile.n0, N, tile.rows);
     }
   });
 }
 #else
 constexpr bool kPanelGemm = false;
-inline void gemm_panels(const Segments&, const uint8_t*, const std::vector<XBlock>&, int64_t, int64_t, float*) {}
+inline void gemm_panels(const Segments&, const uint8_t*, const XBlock*, int64_t, int64_t, float*) {}
 #endif
 
 // which instructions the integer kernels of this build use (the benchmark prints it)
@@ -154,10 +244,17 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
   TORCH_CHECK(y.dtype() == torch::kFloat32 && y.is_contiguous() && y.size(0) == M && y.size(1) == N, "y must be float32 [M, N]");
   for (int64_t s = 0; s < seg.S; ++s)
     TORCH_CHECK(int8_type(seg.type(s)), "linear_int8: GGML type ", seg.type(s), " has no integer kernel");
-  const std::vector<XBlock> xq = quantize_rows(x.data_ptr<float>(), M, K);
+  // decode (a step makes ~70 of these calls) reuses its thread's buffer; a prefill's is its own, freed after
+  static thread_local std::vector<XBlock> decode_buf;
+  std::vector<XBlock> prefill_buf;
+  std::vector<XBlock>& xbuf = M <= kRows ? decode_buf : prefill_buf;
+  if (xbuf.size() < static_cast<size_t>(M * nb)) xbuf.resize(M * nb);
+  const XBlock* xq = xbuf.data();
+  quantize_rows(x.data_ptr<float>(), M, K, xbuf.data());
   const uint8_t* base = bytes.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   if (kPanelGemm && M > kRows) return gemm_panels(seg, base, xq, M, K, yp);
+  if (kDirectGemv && M <= kRows) return gemv_direct(seg, base, xq, M, K, yp);
   const int64_t tile = M <= kRows ? 1 : 16;  // one row: opened into L1 and used at once (decode)
   at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t lo, int64_t hi) {
     std::vector<WBlock> w(tile * nb);
@@ -165,13 +262,13 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
       const int64_t n0 = t * tile, rows = std::min(tile, N - n0);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t s = seg.find(n0 + r);
-        open_row(seg.type(s), seg.row(base, s, n0 + r, K), nb, w.data() + r * nb);
+        open_row(seg.type(s), native_row(seg, base, s, n0 + r, K, row_scratch(K)), nb, w.data() + r * nb);
       }
       for (int64_t g = 0; g < M; g += kRows) {
         const int64_t mb = std::min<int64_t>(kRows, M - g);
         for (int64_t r = 0; r < rows; ++r) {
           float sums[kRows];
-          dot_group(mb, w.data() + r * nb, xq.data() + g * nb, nb, sums);
+          dot_group(mb, w.data() + r * nb, xq + g * nb, nb, sums);
           for (int64_t m = 0; m < mb; ++m) yp[(g + m) * N + n0 + r] = sums[m];
         }
       }

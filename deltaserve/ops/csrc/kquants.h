@@ -162,31 +162,40 @@ inline void decode_block(int64_t type, const uint8_t* b, float* y) {
 
 // The segment table of a packed matrix, checked once per call against its bytes.
 struct Segments {
-  const int64_t* t;  // [S, 4]: type, first row, end row, byte offset
+  static constexpr int64_t kCols = 5;
+  const int64_t* t;  // [S, 5]: type, first row, end row, byte offset, panel rows (16: row panels, see panels.h; 0)
   int64_t S, rows;
 
   Segments(const torch::Tensor& table, int64_t K, int64_t nbytes)
-      : t(table.data_ptr<int64_t>()), S(table.size(0)), rows(S ? t[4 * (S - 1) + 2] : 0) {
-    TORCH_CHECK(table.dim() == 2 && table.size(1) == 4 && table.is_contiguous(), "segment table must be [S, 4]");
+      : t(table.data_ptr<int64_t>()), S(table.size(0)), rows(S ? t[kCols * (S - 1) + 2] : 0) {
+    TORCH_CHECK(table.dim() == 2 && table.size(1) == kCols && table.is_contiguous(), "segment table must be [S, 5]");
     for (int64_t s = 0; s < S; ++s) {
-      const Layout l = layout(t[4 * s]);
+      const Layout l = layout(type(s));
       TORCH_CHECK(K % l.block == 0, "packed rows of ", K, " weights are not whole blocks of ", l.block);
-      TORCH_CHECK(t[4 * s + 1] == (s ? t[4 * s - 2] : 0) && t[4 * s + 2] >= t[4 * s + 1], "segments out of order");
-      TORCH_CHECK(t[4 * s + 3] + (t[4 * s + 2] - t[4 * s + 1]) * (K / l.block) * l.bytes <= nbytes,
+      TORCH_CHECK(first(s) == (s ? end(s - 1) : 0) && end(s) >= first(s), "segments out of order");
+      TORCH_CHECK(t[kCols * s + 3] + (end(s) - first(s)) * (K / l.block) * l.bytes <= nbytes,
                   "segment ", s, " runs past the packed bytes");
+      TORCH_CHECK(t[kCols * s + 4] == 0 || (t[kCols * s + 4] == 16 && (type(s) == Q4_K || type(s) == Q5_K || type(s) == Q6_K || type(s) == IQ4_XS)),
+                  "segment ", s, ": panels of ", t[kCols * s + 4], " rows of type ", type(s));
     }
   }
 
   // index of the segment holding row n (S is a handful: a linear scan)
   int64_t find(int64_t n) const {
     int64_t s = 0;
-    while (s + 1 < S && n >= t[4 * s + 2]) ++s;
+    while (s + 1 < S && n >= end(s)) ++s;
     return s;
   }
-  int64_t type(int64_t s) const { return t[4 * s]; }
+  int64_t type(int64_t s) const { return t[kCols * s]; }
+  int64_t first(int64_t s) const { return t[kCols * s + 1]; }
+  int64_t end(int64_t s) const { return t[kCols * s + 2]; }
+  // rows of segment s held in panels of 16 (its first ones; the rest are native)
+  int64_t panel_rows(int64_t s) const { return t[kCols * s + 4] ? (end(s) - first(s)) / 16 * 16 : 0; }
+  bool panels(int64_t s) const { return panel_rows(s) > 0; }
+  // the bytes of row n (native rows), or of the panel starting at row n
   const uint8_t* row(const uint8_t* base, int64_t s, int64_t n, int64_t K) const {
-    const Layout l = layout(t[4 * s]);
-    return base + t[4 * s + 3] + (n - t[4 * s + 1]) * (K / l.block) * l.bytes;
+    const Layout l = layout(type(s));
+    return base + t[kCols * s + 3] + (n - first(s)) * (K / l.block) * l.bytes;
   }
 };
 

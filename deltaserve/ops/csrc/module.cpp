@@ -1,21 +1,26 @@
 // deltaserve's CPU kernels, built by ops/fused.py as one translation unit from the headers beside this file:
-// delta_rule.h (the fused gated delta rule), conv.h, layers.h (norms, SwiGLU, attention step), gemv.h,
+// delta_rule.h (the fused gated delta rule), conv.h, gdn.h (a GDN layer's middle in one call), layers.h (norms, SwiGLU, attention step), gemv.h,
 // kquants.h (packed GGML blocks: decoders, rows to float32) and kquants_avx512.h, packed.h (decode GEMV and rows to float32 on them),
-// int8dot.h and int8gemm.h (integer dot products of K-quant blocks with activations rounded to int8), probe.h (peaks),
-// attention.h (tiled attention over the KV cache for long spans).
+// int8dot.h, int8gemv.h, int8gemm.h and panels.h (integer dot products of K-quant blocks; int8q8.h of Q8_0 ones with activations rounded to int8), probe.h (peaks),
+// attention.h (tiled attention over the KV cache for long spans), plan.h (a decode step through dense layers).
 #include "attention.h"
 #include "conv.h"
 #include "delta_rule.h"
+#include "gdn.h"
 #include "gemv.h"
 #include "int8gemm.h"
+#include "int8q8.h"
 #include "kquants.h"
 #include "layers.h"
 #include "packed.h"
+#include "panels.h"
+#include "plan.h"
 #include "probe.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdr_forward", &deltaserve::gdr_forward, "fused gated delta rule (CPU, float32)");
   m.def("gdr_inplace", &deltaserve::gdr_inplace, "the common in-place call, checked in C++; None for any other");
+  m.def("gdn_core", &deltaserve::gdn_core, "a GDN layer's conv, gates, delta rule and gated norm at inference (CPU)");
   m.def("conv_forward", &deltaserve::conv_forward, "short causal depthwise conv with state (CPU, float32)");
   m.def("linear_f16", &deltaserve::linear_f16, "float32 activations times float16 weights (CPU)");
   m.def("rms_norm", &deltaserve::rms_norm, "RMSNorm over the last dim, optionally gated (CPU, float32)");
@@ -23,13 +28,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_step", &deltaserve::attention_step, "a decode step of gated attention (CPU, float32)");
   m.def("silu_mul", &deltaserve::silu_mul, "silu(x[:, :I]) * x[:, I:] (CPU, float32)");
   m.def("linear_q8", &deltaserve::linear_q8, "float32 activations times Q8_0 weights (CPU)");
+  m.def("linear_q8_int8", &deltaserve::q8::linear_q8_int8, "activations rounded per 32 to Q8_0 times Q8_0 weights (CPU)");
+  m.def("q8_int8", [] { return deltaserve::q8::kQ8Int8; }, "whether this build has the Q8_0 integer kernels");
   m.def("linear_packed", &deltaserve::kq::linear_packed, "float32 activations times packed GGML blocks (CPU)");
   m.def("linear_int8", &deltaserve::kq::linear_int8, "activations rounded to int8 per 256 times K-quant blocks (CPU)");
   m.def("int8_isa", &deltaserve::kq::int8_isa, "the instructions of the integer kernels in this build");
+  m.def("int8_panels", [] { return deltaserve::kq::kDirectGemv ? deltaserve::kq::kPanel : int64_t{0}; },
+        "rows per panel the integer kernels read K-quant matrices in (0: rows as the file holds them)");
+  m.def("int8_types", [] {
+          std::vector<int64_t> out;
+          for (int64_t t : {2, 12, 13, 14, 20, 23})
+            if (deltaserve::kq::int8_type(t)) out.push_back(t);
+          return out;
+        }, "the GGML types linear_int8 takes in this build");
+  m.def("to_panels", &deltaserve::kq::to_panels, "a packed matrix's K-quant rows rearranged into panels, in place");
   m.def("probe_fma", &deltaserve::probe_fma, "float32 FMAs per second, all threads (iters, reps)");
   m.def("probe_int8", &deltaserve::probe_int8, "int8 products per second, all threads (iters, reps)");
   m.def("probe_read", &deltaserve::probe_read, "bytes read per second, all threads (buf, reps)");
   m.def("packed_rows", &deltaserve::kq::packed_rows, "rows of packed GGML blocks dequantised to float32 (CPU)");
+
+  // plan.h: a decode step through dense Qwen layers in one call
+  deltaserve::bind_plan(m);
 
   // attention.h
   m.def("attention_cached", &deltaserve::attention_cached, "tiled causal attention over a KV cache (CPU, float32 q)");

@@ -14,6 +14,7 @@
 #include "gemv.h"
 #include "kquants.h"
 #include "kquants_avx512.h"
+#include "panels.h"
 
 namespace deltaserve {
 namespace kq {
@@ -175,9 +176,10 @@ void linear_packed(torch::Tensor x, torch::Tensor bytes, torch::Tensor table, to
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
     int64_t s = seg.find(lo);
+    uint8_t* scratch = row_scratch(K);
     for (int64_t n = lo; n < hi; ++n) {
-      while (n >= seg.t[4 * s + 2]) ++s;
-      const uint8_t* row = seg.row(base, s, n, K);
+      while (n >= seg.end(s)) ++s;
+      const uint8_t* row = native_row(seg, base, s, n, K, scratch);
       for (int64_t m0 = 0; m0 < M; m0 += 8) {
         const int64_t mb = std::min<int64_t>(8, M - m0);
         float sums[8];
@@ -202,7 +204,7 @@ void packed_rows(torch::Tensor bytes, torch::Tensor table, int64_t K, torch::Ten
   at::parallel_for(0, ids.numel(), 4, [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
       const int64_t s = seg.find(ip[r]);
-      decode_row(seg.type(s), seg.row(base, s, ip[r], K), K, op + r * K);
+      decode_row(seg.type(s), native_row(seg, base, s, ip[r], K, row_scratch(K)), K, op + r * K);
     }
   });
 }

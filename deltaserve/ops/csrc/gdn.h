@@ -1,0 +1,64 @@
+// A Gated DeltaNet layer's middle at inference in one call: the short conv over the input projection's q | k | v
+// (in place, SiLU), the gates beta = sigmoid(b), g = A softplus(a + dt_bias), the gated delta rule on the cached
+// state (q, k L2-normalised, scale K^-1/2) and RMSNorm(o) w silu(z): in a decode step these were ~30 small torch
+// ops and their Python per layer (a few hundred microseconds a token over a model), each now a C++ call on views.
+#pragma once
+#include <torch/extension.h>
+
+#include <cmath>
+#include <vector>
+
+#include "conv.h"
+#include "delta_rule.h"
+#include "layers.h"
+
+namespace deltaserve {
+
+// proj [N, T, D] float32 contiguous: per token q (H K) | k (H K) | v (HV V) | z (HV V) | b (HV) | a (HV), value heads
+// grouped; conv_weight [C, W] (C = 2 H K + HV V); conv_state [S, W-1, C] and ssm_state [S, HV, K, V] float32
+// contiguous caches, sequence n in row slots[n] (distinct); A, dt_bias [HV]; norm_weight [V].
+// Returns o [N, T, HV V] (the out projection's input); proj's q | k | v columns hold the conv's output after.
+torch::Tensor gdn_core(torch::Tensor proj, torch::Tensor conv_weight, torch::Tensor conv_state, torch::Tensor slots,
+                       torch::Tensor A, torch::Tensor dt_bias, torch::Tensor ssm_state, torch::Tensor norm_weight,
+                       double eps, int64_t H) {
+  auto f32 = [](const torch::Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(); };
+  TORCH_CHECK(f32(proj) && proj.dim() == 3 && f32(conv_weight) && f32(conv_state) && f32(ssm_state) && f32(A) &&
+                  f32(dt_bias) && f32(norm_weight) && ssm_state.dim() == 4 && conv_state.dim() == 3,
+              "gdn_core: float32 contiguous CPU tensors of the documented ranks");
+  const int64_t N = proj.size(0), T = proj.size(1), D = proj.size(2);
+  const int64_t HV = ssm_state.size(1), K = ssm_state.size(2), V = ssm_state.size(3), C = 2 * H * K + HV * V;
+  TORCH_CHECK(H > 0 && HV % H == 0 && D == C + HV * V + 2 * HV && conv_weight.size(0) == C && conv_state.size(2) == C &&
+                  conv_state.size(1) == conv_weight.size(1) - 1 && A.numel() == HV && dt_bias.numel() == HV &&
+                  norm_weight.numel() == V && conv_state.size(0) == ssm_state.size(0),
+              "gdn_core: shapes do not match (proj ", proj.sizes(), ", ssm_state ", ssm_state.sizes(), ")");
+  TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == N &&
+                  slots.is_contiguous(), "gdn_core: slots must be int64 [N]");
+  const int64_t* rows = slots.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(rows[n] >= 0 && rows[n] < ssm_state.size(0), "gdn_core: slot ", rows[n], " out of range");
+    for (int64_t m = 0; m < n; ++m) TORCH_CHECK(rows[m] != rows[n], "gdn_core: slot ", rows[n], " twice");
+  }
+  std::vector<int64_t> cu(N + 1);
+  for (int64_t n = 0; n <= N; ++n) cu[n] = n * T;
+  const torch::Tensor cu_t = torch::from_blob(cu.data(), {N + 1}, at::TensorOptions().dtype(at::kLong));
+
+  const torch::Tensor tokens = proj.view({N * T, D});
+  const torch::Tensor qkv = tokens.narrow(1, 0, C);
+  conv_forward(qkv, conv_weight, torch::Tensor(), conv_state, cu_t, slots, qkv, true);
+
+  // the gates through the same ATen ops as the modules' torch expression, so both paths give the same bits
+  const torch::Tensor beta = at::sigmoid(tokens.narrow(1, C + HV * V, HV)).view({N, T, HV});
+  const torch::Tensor g = (A * at::softplus(tokens.narrow(1, C + HV * V + HV, HV) + dt_bias)).view({N, T, HV});
+
+  const torch::Tensor q = proj.narrow(2, 0, H * K).unflatten(2, {H, K});
+  const torch::Tensor k = proj.narrow(2, H * K, H * K).unflatten(2, {H, K});
+  const torch::Tensor v = proj.narrow(2, 2 * H * K, HV * V).unflatten(2, {HV, V});
+  torch::Tensor o = at::empty({N, T, HV, V}, at::TensorOptions().dtype(at::kFloat));
+  gdr_run(q, k, v, g, beta, ssm_state, cu.data(), N, rows, o, torch::Tensor(), 1.0 / std::sqrt(static_cast<double>(K)), true);
+
+  const torch::Tensor z = tokens.narrow(1, C, HV * V).unflatten(1, {HV, V});  // [tokens, HV, V]
+  rms_norm(o, norm_weight, eps, o, z, 1);
+  return o.view({N, T, HV * V});
+}
+
+}  // namespace deltaserve

@@ -1,0 +1,467 @@
+// The decode GEMV of K-quant weights on AVX-512 BW: y [M, N] = x [M, K] (rounded to Q8_K) @ W^T for M <= kRows,
+// the codes opened in registers straight from the file's blocks (int8dot.h's row-at-a-time path first writes each
+// block opened to memory and reads it back: 42-62% of the read peak). Per block and activation row: the codes
+// times the int8 activations in pairs (vpmaddubsw), times the per-16 / per-32 scales into int32 (vpdpwssd), one
+// float multiply-add; the mins (Q4_K, Q5_K) or the codes' offset of 32 (Q6_K) against the activations' sums.
+//
+//   Q4_K / Q5_K: one 64-byte load of nibbles holds 128 codes, the low nibbles elements 0..31 and 64..95 of them,
+//     the high ones 32..63 and 96..127: the activations are kept in that order too (XBlock::qp), so an AND and a
+//     shift open 128 codes. Q5_K's fifth bits come from its 32 bytes of high bits broadcast, shifted per half.
+//   Q6_K: 64 bytes of low nibbles hold elements 0..63 (low) and 64..127 (high) of a half block in order; the two
+//     high bits come from 32 bytes broadcast, shifted per 32-element quarter and merged by vpternlogd.
+//
+// Threads take contiguous runs of weight rows (one each: no sync inside a call), prefetching their stream.
+#pragma once
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "int8dot.h"
+#include "panels.h"
+
+namespace deltaserve {
+namespace kq {
+
+#if defined(__AVX512BW__)
+constexpr bool kDirectGemv = true;
+
+inline __m512i dot_scaled(__m512i acc, __m512i codes, const int8_t* x, __m512i scales) {
+  const __m512i pairs = _mm512_maddubs_epi16(codes, _mm512_load_si512(x));  // u8 codes x s8: int16 pair sums
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, pairs, scales);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, scales));
+#endif
+}
+
+inline void prefetch_block(const uint8_t* p, int bytes) {
+  for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kGemvPrefetch + o, _MM_HINT_T0);
+}
+
+// int16 lane i of 32 takes scale kK4Lanes[v][i] of a block's 8: the low / high nibbles of the 128 codes of load h
+// (v = 2h + high) are sub-blocks 4h + high and 4h + 2 + high
+alignas(64) inline const int16_t kK4Lanes[4][32] = {
+    {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2},
+    {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
+    {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6},
+    {5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}};
+// int16 lane i of 32 takes scale kQ6Lanes[c][i] of 16: 64 elements in order, 16 to a scale
+alignas(64) inline const int16_t kQ6Lanes[4][32] = {
+    {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+    {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+    {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9, 10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+    {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13, 14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}};
+
+// per 16-bit word (32 of them): a shift for the first 32 bytes, another for the second 32
+inline __m512i word_shifts(int first, int second) {
+  return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(first)), _mm256_set1_epi16(static_cast<int16_t>(second)), 1);
+}
+
+inline __m512i broadcast32(const uint8_t* p) {
+  return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// out[m] = (weight row of Q4_K (Q5 false) or Q5_K blocks) . (activation row m), x laid out [nb][MB]
+template <int MB, bool Q5>
+inline void rows_k4(const uint8_t* row, int64_t nb, const XBlock* x, float* out) {
+  constexpr int kBytes = Q5 ? 176 : 144;
+  const __m512i m4 = _mm512_set1_epi8(0xF), bit0 = _mm512_set1_epi8(1);
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = row + b * kBytes;
+    prefetch_block(p, kBytes);
+    const XBlock* xb = x + b * MB;
+    uint8_t sc[8], mn[8];
+    k4_scales(p + 4, sc, mn);
+    const __m512i s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+    const __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
+    const uint8_t* qs = p + (Q5 ? 48 : 16);
+    __m512i hb = _mm512_setzero_si512();
+    if constexpr (Q5) hb = broadcast32(p + 16);
+    __m512i ai[MB];
+    for (int m = 0; m < MB; ++m) ai[m] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m512i v = _mm512_loadu_si512(qs + 64 * h);
+      __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      if constexpr (Q5) {  // bit 2j of a high-bit byte belongs to the low nibbles of 64-element part j, 2j + 1 to the high
+        const __m512i hl = _mm512_and_si512(_mm512_srlv_epi16(hb, word_shifts(4 * h, 4 * h + 2)), bit0);
+        const __m512i hh = _mm512_and_si512(_mm512_srlv_epi16(hb, word_shifts(4 * h + 1, 4 * h + 3)), bit0);
+        lo = _mm512_or_si512(lo, _mm512_slli_epi16(hl, 4));
+        hi = _mm512_or_si512(hi, _mm512_slli_epi16(hh, 4));
+      }
+      const __m512i slo = _mm512_permutexvar_epi16(_mm512_load_si512(kK4Lanes[2 * h]), s16);
+      const __m512i shi = _mm512_permutexvar_epi16(_mm512_load_si512(kK4Lanes[2 * h + 1]), s16);
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) {
+        ai[m] = dot_scaled(ai[m], lo, xb[m].qp + 128 * h, slo);
+        ai[m] = dot_scaled(ai[m], hi, xb[m].qp + 128 * h + 64, shi);
+      }
+    }
+    const float d = half(p), dmin = half(p + 2);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const __m128i o = _mm_madd_epi16(m16, _mm_load_si128(reinterpret_cast<const __m128i*>(xb[m].bs32)));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[m]), _mm512_set1_ps(d * xb[m].d), acc[m]);
+      acc[m] = _mm512_fnmadd_ps(_mm512_zextps128_ps512(_mm_cvtepi32_ps(o)), _mm512_set1_ps(dmin * xb[m].d), acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+// the same for Q6_K: codes = the stored 6 bits (value + 32), the offset taken off in the integer sum
+template <int MB>
+inline void rows_q6k(const uint8_t* row, int64_t nb, const XBlock* x, float* out) {
+  const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
+  const __m512i up = word_shifts(4, 2), down = word_shifts(0, 2);
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = row + b * 210;
+    prefetch_block(p, 210);
+    const XBlock* xb = x + b * MB;
+    const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
+    const __m512i s16 = _mm512_castsi256_si512(sc);
+    __m512i ai[MB];
+    for (int m = 0; m < MB; ++m) ai[m] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m512i low = _mm512_loadu_si512(p + 64 * h), high = broadcast32(p + 128 + 32 * h);
+      // (low & 0xF) | (two high bits at 4, 5): elements 0..31 take high bits 0, 1, elements 32..63 bits 2, 3, ...
+      const __m512i c0 = _mm512_ternarylogic_epi32(low, _mm512_and_si512(_mm512_sllv_epi16(high, up), m30), m4, 0xEC);
+      const __m512i c1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(low, 4), _mm512_and_si512(_mm512_srlv_epi16(high, down), m30),
+                                                   m4, 0xEC);
+      const __m512i s0 = _mm512_permutexvar_epi16(_mm512_load_si512(kQ6Lanes[2 * h]), s16);
+      const __m512i s1 = _mm512_permutexvar_epi16(_mm512_load_si512(kQ6Lanes[2 * h + 1]), s16);
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) {
+        ai[m] = dot_scaled(ai[m], c0, xb[m].q + 128 * h, s0);
+        ai[m] = dot_scaled(ai[m], c1, xb[m].q + 128 * h + 64, s1);
+      }
+    }
+    const float d = half(p + 208);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const __m256i o = _mm256_madd_epi16(sc, _mm256_load_si256(reinterpret_cast<const __m256i*>(xb[m].bs)));
+      const __m512i sum = _mm512_sub_epi32(ai[m], _mm512_zextsi256_si512(_mm256_slli_epi32(o, 5)));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * xb[m].d), acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+// any type open_block takes, a block at a time through its opened form, in exact integer sums (IQ4_XS rows
+// outside panels: its codes reach 241, past vpmaddubsw's pairs)
+template <int MB, int64_t TYPE>
+inline void rows_opened(const uint8_t* row, int64_t nb, const XBlock* x, float* out) {
+  const int64_t bytes = layout(TYPE).bytes;
+  WBlock w;
+  for (int m = 0; m < MB; ++m) out[m] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    open_block(TYPE, row + b * bytes, w);
+    for (int m = 0; m < MB; ++m) {
+      const XBlock& xb = x[b * MB + m];
+      int32_t s = 0, o = 0;
+      for (int i = 0; i < 16; ++i) {
+        int32_t g = 0;
+        for (int e = 16 * i; e < 16 * i + 16; ++e) g += w.q[e] * xb.q[e];
+        s += w.sc[i] * g;
+        o += w.off[i] * xb.bs[i];
+      }
+      out[m] += w.d * xb.d * static_cast<float>(s) - w.o * xb.d * static_cast<float>(o);
+    }
+  }
+}
+
+using RowKernel = void (*)(const uint8_t*, int64_t, const XBlock*, float*);
+
+template <int MB>
+inline RowKernel row_kernel_mb(int64_t type) {
+  switch (type) {
+    case Q4_K: return rows_k4<MB, false>;
+    case Q5_K: return rows_k4<MB, true>;
+    case Q6_K: return rows_q6k<MB>;
+    case IQ4_XS: return rows_opened<MB, IQ4_XS>;
+  }
+  return nullptr;
+}
+
+inline RowKernel row_kernel(int64_t type, int64_t mb) {
+  switch (mb) {
+    case 1: return row_kernel_mb<1>(type);
+    case 2: return row_kernel_mb<2>(type);
+    case 3: return row_kernel_mb<3>(type);
+    case 4: return row_kernel_mb<4>(type);
+    case 5: return row_kernel_mb<5>(type);
+    case 6: return row_kernel_mb<6>(type);
+    case 7: return row_kernel_mb<7>(type);
+    default: return row_kernel_mb<8>(type);
+  }
+}
+
+// -- row panels (panels.h): 16 rows a pass, one int32 lane per row --------------------------------------------
+
+// acc += codes (u8, 16 rows x 4) . the 4 int8 at p, broadcast by vpdpbusd's memory operand (a separate broadcast
+// would take a shuffle slot per instruction)
+inline __m512i dot4(__m512i acc, __m512i codes, const int8_t* p) {
+#if defined(__AVX512VNNI__)
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+#else
+  int32_t four;
+  std::memcpy(&four, p, 4);
+  const __m512i pairs = _mm512_maddubs_epi16(codes, _mm512_set1_epi32(four));
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+#endif
+}
+
+inline __m512i dot_pairs(__m512i acc, __m512i a, __m512i b) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+constexpr int64_t kPanelPrefetch = 8192;
+
+inline void prefetch_span(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kPanelPrefetch + o, _MM_HINT_T0);
+}
+
+// per dword (a row): bytes (k, 0, k + 1, 0) of its own 4, k = 0 or 2: two u8 scales as an int16 pair
+inline __m512i scale_pairs(__m512i bytes, int k) {
+  auto ctl = [k](int t) { return (4 * t + k) | 0x80 << 8 | (4 * t + k + 1) << 16 | 0x80 << 24; };  // in-lane byte indices
+  return _mm512_shuffle_epi8(bytes, _mm512_setr_epi32(ctl(0), ctl(1), ctl(2), ctl(3), ctl(0), ctl(1), ctl(2), ctl(3),
+                                                      ctl(0), ctl(1), ctl(2), ctl(3), ctl(0), ctl(1), ctl(2), ctl(3)));
+}
+
+// out[m * 16 + r] = (row r of a Q4_K / Q5_K panel) . (activation row m), x[b * xs + m]
+template <int MB, bool Q5>
+inline void panel_k4(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t xs, float* out) {
+  constexpr int64_t kBlock = Q5 ? 2816 : 2304, kScales = Q5 ? 2560 : 2048;
+  const __m512i m4 = _mm512_set1_epi8(0xF), m6 = _mm512_set1_epi8(0x3F), m30 = _mm512_set1_epi8(0x30), bit4 = _mm512_set1_epi8(0x10);
+  const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = panel + b * kBlock;
+    prefetch_span(p, kBlock);
+    // get_scale_min_k4 for 16 rows at once, on the scale words u0, u1, u2 (a dword per row)
+    const __m512i u0 = _mm512_loadu_si512(p + kScales), u1 = _mm512_loadu_si512(p + kScales + 64), u2 = _mm512_loadu_si512(p + kScales + 128);
+    const __m512i sc03 = _mm512_and_si512(u0, m6), mn03 = _mm512_and_si512(u1, m6);
+    const __m512i sc47 = _mm512_ternarylogic_epi32(u2, m4, _mm512_and_si512(_mm512_srli_epi32(u0, 2), m30), 0xEA);
+    const __m512i mn47 = _mm512_ternarylogic_epi32(_mm512_srli_epi32(u2, 4), m4, _mm512_and_si512(_mm512_srli_epi32(u1, 2), m30), 0xEA);
+    __m512i blk[MB], mins[MB];
+    for (int m = 0; m < MB; ++m) blk[m] = mins[m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {  // 64 elements: sub-blocks 2j (low nibbles), 2j + 1 (high)
+      const __m512i sc = scale_pairs(j < 2 ? sc03 : sc47, 2 * (j % 2)), mn = scale_pairs(j < 2 ? mn03 : mn47, 2 * (j % 2));
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {  // 16 elements of each: sums below 2^15, packed in pairs
+        __m512i lo_sum[MB], hi_sum[MB];
+        for (int m = 0; m < MB; ++m) lo_sum[m] = hi_sum[m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int l = 0; l < 4; ++l) {
+          const int l4 = 4 * half + l;
+          const __m512i v = _mm512_loadu_si512(p + (j * 8 + l4) * 64);
+          __m512i lo, hi;
+          if constexpr (Q5) {  // bit 2j (2j + 1) of the high bits to bit 4
+            const __m512i h = _mm512_loadu_si512(p + 2048 + l4 * 64);
+            const __m512i hl = 2 * j <= 4 ? _mm512_slli_epi16(h, 4 - 2 * j) : _mm512_srli_epi16(h, 2 * j - 4);
+            const __m512i hh = 2 * j + 1 <= 4 ? _mm512_slli_epi16(h, 3 - 2 * j) : _mm512_srli_epi16(h, 2 * j - 3);
+            lo = _mm512_ternarylogic_epi32(v, m4, _mm512_and_si512(hl, bit4), 0xEA);
+            hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), m4, _mm512_and_si512(hh, bit4), 0xEA);
+          } else {
+            lo = _mm512_and_si512(v, m4);
+            hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+          }
+#pragma GCC unroll 4
+          for (int m = 0; m < MB; ++m) {
+            lo_sum[m] = dot4(lo_sum[m], lo, x[b * xs + m].q + 64 * j + 4 * l4);
+            hi_sum[m] = dot4(hi_sum[m], hi, x[b * xs + m].q + 64 * j + 32 + 4 * l4);
+          }
+        }
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; ++m)  // (lo, hi) int16 pairs times (scale 2j, scale 2j + 1)
+          blk[m] = dot_pairs(blk[m], _mm512_ternarylogic_epi32(lo_sum[m], low16, _mm512_slli_epi32(hi_sum[m], 16), 0xEA), sc);
+      }
+#pragma GCC unroll 4
+      for (int m = 0; m < MB; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, x[b * xs + m].bs32 + 2 * j, 4);
+        mins[m] = dot_pairs(mins[m], mn, _mm512_set1_epi32(pair));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kScales + 192)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kScales + 224)));
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xd = _mm512_set1_ps(x[b * xs + m].d);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(blk[m]), _mm512_mul_ps(d, xd), acc[m]);
+      acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[m]), _mm512_mul_ps(dmin, xd), acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
+}
+
+// the same for a Q6_K panel: codes (value + 32) per 16 elements summed, less 32 x the activations' sum, times the
+// row's int8 scale (vpmulld: 16-element sums of 6-bit codes pass 2^15)
+template <int MB>
+inline void panel_q6k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t xs, float* out) {
+  const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = panel + b * 3328;
+    prefetch_span(p, 3328);
+    __m512i ai[MB];
+    for (int m = 0; m < MB; ++m) ai[m] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int n = 0; n < 2; ++n) {
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        __m512i sum[MB][4];
+        for (int m = 0; m < MB; ++m)
+          for (int q = 0; q < 4; ++q) sum[m][q] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int l = 0; l < 4; ++l) {
+          const int l4 = 4 * half + l;
+          const uint8_t* run = p + (2 * n + half) * 832 + l * 192;  // ql (quarters 0, 2), ql + 32 (1, 3), qh
+          const __m512i a = _mm512_loadu_si512(run), c = _mm512_loadu_si512(run + 64), h = _mm512_loadu_si512(run + 128);
+          // quarter q of the half: a nibble of a (q even) or c (odd), high bits 2q, 2q + 1 of h at bits 4, 5
+          __m512i codes[4];
+          codes[0] = _mm512_ternarylogic_epi32(a, m4, _mm512_and_si512(_mm512_slli_epi16(h, 4), m30), 0xEA);
+          codes[1] = _mm512_ternarylogic_epi32(c, m4, _mm512_and_si512(_mm512_slli_epi16(h, 2), m30), 0xEA);
+          codes[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(a, 4), m4, _mm512_and_si512(h, m30), 0xEA);
+          codes[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(c, 4), m4, _mm512_and_si512(_mm512_srli_epi16(h, 2), m30), 0xEA);
+#pragma GCC unroll 4
+          for (int m = 0; m < MB; ++m)
+            for (int q = 0; q < 4; ++q) sum[m][q] = dot4(sum[m][q], codes[q], x[b * xs + m].q + 128 * n + 32 * q + 4 * l4);
+        }
+        for (int q = 0; q < 4; ++q) {
+          const int g = 8 * n + 2 * q + half;  // the 16 elements' scale
+          const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (2 * n + half) * 832 + 768 + 16 * q)));
+#pragma GCC unroll 4
+          for (int m = 0; m < MB; ++m) {
+            const __m512i centred = _mm512_sub_epi32(sum[m][q], _mm512_set1_epi32(32 * x[b * xs + m].bs[g]));
+            ai[m] = _mm512_add_epi32(ai[m], _mm512_mullo_epi32(centred, sc));
+          }
+        }
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + nb * 3328 + 32 * b)));
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[m]), _mm512_mul_ps(d, _mm512_set1_ps(x[b * xs + m].d)), acc[m]);
+  }
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
+}
+
+// the same for an IQ4_XS panel: codes looked up (vpshufb) as level + 128, each 32's sum less 128 x the activations'
+// sum, times the row's scale - 32 (vpmulld), a float multiply-add per block
+template <int MB>
+inline void panel_iq4xs(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t xs, float* out) {
+  const __m512i m4 = _mm512_set1_epi8(0xF), m3 = _mm512_set1_epi32(3), m4d = _mm512_set1_epi32(0xF);
+  alignas(16) uint8_t levels[16];
+  for (int i = 0; i < 16; ++i) levels[i] = static_cast<uint8_t>(kIQ4Levels[i] + 128);
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(levels)));
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = panel + b * 2176;
+    prefetch_span(p, 2176);
+    const __m512i low = _mm512_loadu_si512(p + 2112);  // scales_l: a dword per row
+    const __m512i high = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2080)));
+    __m512i ai[MB];
+    for (int m = 0; m < MB; ++m) ai[m] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int ib = 0; ib < 8; ++ib) {
+      const __m512i sc = _mm512_sub_epi32(
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(low, 8 * (ib / 2) + 4 * (ib % 2)), m4d),
+                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(high, 2 * ib), m3), 4)),
+          _mm512_set1_epi32(32));
+      __m512i sum[MB];
+      for (int m = 0; m < MB; ++m) sum[m] = _mm512_set1_epi32(-128 * x[b * xs + m].bs32[ib]);
+#pragma GCC unroll 4
+      for (int l4 = 0; l4 < 4; ++l4) {
+        const __m512i v = _mm512_loadu_si512(p + (ib * 4 + l4) * 64);
+        const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, m4));
+        const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; ++m) {
+          sum[m] = dot4(sum[m], lo, x[b * xs + m].q + 32 * ib + 4 * l4);
+          sum[m] = dot4(sum[m], hi, x[b * xs + m].q + 32 * ib + 16 + 4 * l4);
+        }
+      }
+#pragma GCC unroll 4
+      for (int m = 0; m < MB; ++m) ai[m] = _mm512_add_epi32(ai[m], _mm512_mullo_epi32(sum[m], sc));
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2048)));
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[m]), _mm512_mul_ps(d, _mm512_set1_ps(x[b * xs + m].d)), acc[m]);
+  }
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
+}
+
+using PanelKernel = void (*)(const uint8_t*, int64_t, const XBlock*, int64_t, float*);
+
+template <int MB>
+inline PanelKernel panel_kernel_mb(int64_t type) {
+  switch (type) {
+    case Q4_K: return panel_k4<MB, false>;
+    case Q5_K: return panel_k4<MB, true>;
+    case Q6_K: return panel_q6k<MB>;
+    case IQ4_XS: return panel_iq4xs<MB>;
+  }
+  return nullptr;
+}
+
+// activation rows are taken 4 at a time (more would spill the accumulators)
+inline PanelKernel panel_kernel(int64_t type, int64_t mb) {
+  switch (mb) {
+    case 1: return panel_kernel_mb<1>(type);
+    case 2: return panel_kernel_mb<2>(type);
+    case 3: return panel_kernel_mb<3>(type);
+    default: return panel_kernel_mb<4>(type);
+  }
+}
+
+// y [M, N] = xq (quantize_rows of x [M, K], M <= kRows) @ W^T. Threads take contiguous runs of rows (a panel goes
+// to the thread whose run holds its first row); panels of 16 rows through the panel kernels, native rows through
+// the row kernels.
+inline void gemv_direct(const Segments& seg, const uint8_t* base, const XBlock* xq, int64_t M, int64_t K, float* y) {
+  const int64_t nb = K / 256, N = seg.rows;
+  const int64_t grain = std::max<int64_t>(16, (64 << 10) / (nb * 144) / 16 * 16);  // a share of at least ~64 KB
+  at::parallel_for(0, N, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t s = seg.find(lo); s < seg.S && seg.first(s) < hi; ++s) {
+      const int64_t type = seg.type(s), first = seg.first(s), pend = first + seg.panel_rows(s), end = std::min(hi, seg.end(s));
+      for (int64_t n = first + (std::max(lo, first) - first + kPanel - 1) / kPanel * kPanel; n < std::min(hi, pend); n += kPanel) {
+        const uint8_t* panel = seg.row(base, s, n, K);
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          const int64_t mb = std::min<int64_t>(4, M - m0);
+          alignas(64) float out[4 * kPanel];
+          panel_kernel(type, mb)(panel, nb, xq + m0, M, out);
+          for (int64_t m = 0; m < mb; ++m) std::memcpy(y + (m0 + m) * N + n, out + m * kPanel, kPanel * sizeof(float));
+        }
+      }
+      const RowKernel f = row_kernel(type, M);
+      for (int64_t n = std::max(lo, pend); n < end; ++n) {
+        float sums[kRows];
+        f(seg.row(base, s, n, K), nb, xq, sums);
+        for (int64_t m = 0; m < M; ++m) y[m * N + n] = sums[m];
+      }
+    }
+  });
+}
+#else
+constexpr bool kDirectGemv = false;
+inline void gemv_direct(const Segments&, const uint8_t*, const XBlock*, int64_t, int64_t, float*) {}
+#endif
+
+}  // namespace kq
+}  // namespace deltaserve

@@ -1,0 +1,242 @@
+// Integer dot products of Q8_0 weights (int8 [N, K] with a float16 scale per 32, models/layers.py quantize_q8)
+// with activations rounded per 32 to Q8_0 as llama.cpp does (quantize_row_q8_0: d = max|x| / 127 kept as float16,
+// q = round(x / d) with the float32 d), the arithmetic llama.cpp runs on Q8_0 files:
+//
+//   row . x  =  sum_k  dw_k dx_k  sum_(e in block k) qw_e qx_e
+//
+// vpdpbusd multiplies unsigned by signed bytes: the weights go in with their sign bit flipped (qw + 128, one
+// XOR), and 128 x the block's sum of qx is taken off again in the integer sum (exact: it starts there).
+// Decode (M <= kQ8Rows): a row at a time, 64 weights a vpdpbusd, the two blocks' float factors per lane from a
+// permute of 16 weight scales and the activation scales stored 8 to a block. Prefill: tiles of 16 rows
+// interleaved per call into 4-byte runs, each vpdpbusd multiplying 4 weights of 16 rows by 4 broadcast
+// activations (int32 lane per row), a block's float factors once per 32 (int8gemm.h's scheme for K-quants).
+#pragma once
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gemv.h"
+
+namespace deltaserve {
+namespace q8 {
+
+constexpr int64_t kQ8Rows = 8;  // activation rows per pass in decode
+
+// x [M, K] rounded to Q8_0: q [M, K]; per block of 32: d (float16 value as float), start = -128 sum(q); per 4
+// (a vpdpbusd lane): starts = -128 sum(q), so that each lane's sum is its own exact dot (offsets summed in other
+// lanes would cancel only after rounding); dl: each block's d 8 times (its lanes in a vpdpbusd of 64 weights)
+// (the divisions as llama.cpp's C makes them: -ffast-math would take x * (1 / 127) for x / 127, a different float)
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+struct Q8Acts {
+  std::vector<int8_t> q;
+  std::vector<float> d, dl;
+  std::vector<int32_t> start, starts;
+  int64_t M = 0, K = 0, nb = 0;
+
+  void quantize(const float* x, int64_t rows, int64_t cols) {
+    M = rows, K = cols, nb = cols / 32;
+    q.resize(M * K), d.resize(M * nb), dl.resize(M * nb * 8), start.resize(M * nb), starts.resize(M * nb * 8);
+    at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t m = lo; m < hi; ++m)
+        for (int64_t k = 0; k < nb; ++k) block(x + m * K + 32 * k, m * nb + k, q.data() + m * K + 32 * k);
+    });
+  }
+
+  void block(const float* xb, int64_t at, int8_t* qb) {
+    int32_t four[8];
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float dk = amax / 127.f, id = dk != 0.f ? 1.f / dk : 0.f;
+    const __m512 is = _mm512_set1_ps(id);  // products rounded to nearest, ties to even (std::nearbyint's)
+    const __m128i q0 = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, is)));
+    const __m128i q1 = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, is)));
+    const __m256i q32 = _mm256_set_m128i(q1, q0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), q32);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(four), _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), q32));
+#else
+    float amax = 0.f;
+    for (int e = 0; e < 32; ++e) amax = std::max(amax, std::fabs(xb[e]));
+    const float dk = amax / 127.f, id = dk != 0.f ? 1.f / dk : 0.f;
+    for (int l = 0; l < 8; ++l) {
+      four[l] = 0;
+      for (int e = 4 * l; e < 4 * l + 4; ++e) four[l] += qb[e] = static_cast<int8_t>(std::nearbyint(xb[e] * id));
+    }
+#endif
+    int sum = 0;
+    for (int l = 0; l < 8; ++l) {
+      starts[at * 8 + l] = -128 * four[l];
+      sum += four[l];
+    }
+    const float dh = static_cast<float>(c10::Half(dk));  // llama.cpp keeps the activations' d as float16
+    d[at] = dh;
+    start[at] = -128 * sum;
+    for (int l = 0; l < 8; ++l) dl[at * 8 + l] = dh;
+  }
+};
+#pragma GCC pop_options
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kQ8Int8 = true;
+
+inline __m512 f16x16(const at::Half* p, int64_t n) {  // n <= 16 scales, the rest zero
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p));
+}
+
+// out[m] = row (q int8 [K], scales [nb]) . activation row m, MB rows
+template <int MB>
+inline void q8_row(const int8_t* w, const at::Half* ws, const Q8Acts& a, int64_t m0, float* out) {
+  const int64_t K = a.K, nb = a.nb;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < nb; k0 += 16) {  // 16 blocks: one vector of weight scales
+    const int64_t blocks = std::min<int64_t>(16, nb - k0);
+    const __m512 dw = f16x16(ws + k0, blocks);
+    for (int64_t p = 0; p < blocks; p += 2) {  // two blocks: lanes 0..7 block k0 + p, 8..15 the next
+      const int64_t k = k0 + p;
+      const __mmask64 keep = p + 1 < blocks ? ~__mmask64{0} : 0xFFFFFFFFull;
+      const int8_t* wp = w + 32 * k;
+      _mm_prefetch(reinterpret_cast<const char*>(wp) + kGemvPrefetch, _MM_HINT_T0);
+      const __m512i v = _mm512_xor_si512(_mm512_maskz_loadu_epi8(keep, wp), flip);
+      const __m512 s = _mm512_permutexvar_ps(_mm512_setr_epi32(p, p, p, p, p, p, p, p, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1), dw);
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) {
+        const int64_t row = (m0 + m) * nb + k;
+        const __m512i xv = _mm512_maskz_loadu_epi8(keep, a.q.data() + (m0 + m) * K + 32 * k);
+        const __mmask16 lanes = p + 1 < blocks ? 0xFFFF : 0xFF;
+        const __m512i sum = _mm512_dpbusd_epi32(_mm512_maskz_loadu_epi32(lanes, a.starts.data() + row * 8), v, xv);
+        const __m512 dx = _mm512_maskz_loadu_ps(lanes, a.dl.data() + row * 8);
+        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), dx), s, acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+inline void q8_rows(int64_t mb, const int8_t* w, const at::Half* ws, const Q8Acts& a, int64_t m0, float* out) {
+  switch (mb) {
+    case 1: return q8_row<1>(w, ws, a, m0, out);
+    case 2: return q8_row<2>(w, ws, a, m0, out);
+    case 3: return q8_row<3>(w, ws, a, m0, out);
+    case 4: return q8_row<4>(w, ws, a, m0, out);
+    case 5: return q8_row<5>(w, ws, a, m0, out);
+    case 6: return q8_row<6>(w, ws, a, m0, out);
+    case 7: return q8_row<7>(w, ws, a, m0, out);
+    default: return q8_row<8>(w, ws, a, m0, out);
+  }
+}
+
+// 16 weight rows opened for the GEMM: q [K / 4][16][4] (sign bit flipped), dw [nb][16] floats
+struct Q8Tile {
+  std::vector<uint8_t> q;
+  std::vector<float> dw;
+
+  void open(const int8_t* w, const at::Half* ws, int64_t rows, int64_t K) {
+    const int64_t nb = K / 32;
+    q.resize(K * 16);
+    dw.assign(nb * 16, 0.f);
+    // row r's dword c at w + r K + 4c (rows past the end: row 0 again, their lanes never stored)
+    const __m512i at = _mm512_mullo_epi32(_mm512_maskz_mov_epi32(static_cast<__mmask16>((1u << rows) - 1),
+                                                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+                                          _mm512_set1_epi32(static_cast<int32_t>(K)));
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t c = 0; c < K / 4; ++c)
+      _mm512_storeu_si512(q.data() + 64 * c, _mm512_xor_si512(_mm512_i32gather_epi32(at, w + 4 * c, 1), flip));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < nb; ++k) dw[k * 16 + r] = static_cast<float>(ws[r * nb + k]);
+  }
+};
+
+// y[m][n0 .. n0 + rows) for activation rows m0 .. m0 + MB
+template <int MB>
+inline void q8_tile(const Q8Tile& t, const Q8Acts& a, int64_t m0, float* y, int64_t ldy, int64_t rows) {
+  const int64_t nb = a.nb, K = a.K;
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < nb; ++k) {
+    __m512i sum[MB];
+    for (int m = 0; m < MB; ++m) sum[m] = _mm512_set1_epi32(a.start[(m0 + m) * nb + k]);
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m512i codes = _mm512_loadu_si512(t.q.data() + ((8 * k + c) * 16) * 4);
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) {
+        int32_t four;
+        std::memcpy(&four, a.q.data() + (m0 + m) * K + 32 * k + 4 * c, 4);
+        sum[m] = _mm512_dpbusd_epi32(sum[m], codes, _mm512_set1_epi32(four));
+      }
+    }
+    const __m512 dw = _mm512_loadu_ps(t.dw.data() + 16 * k);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m]), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[(m0 + m) * nb + k])), acc[m]);
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
+  for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * ldy, keep, acc[m]);
+}
+
+inline void q8_tile_rows(int64_t mb, const Q8Tile& t, const Q8Acts& a, int64_t m0, float* y, int64_t ldy, int64_t rows) {
+  switch (mb) {
+    case 1: return q8_tile<1>(t, a, m0, y, ldy, rows);
+    case 2: return q8_tile<2>(t, a, m0, y, ldy, rows);
+    case 3: return q8_tile<3>(t, a, m0, y, ldy, rows);
+    case 4: return q8_tile<4>(t, a, m0, y, ldy, rows);
+    case 5: return q8_tile<5>(t, a, m0, y, ldy, rows);
+    case 6: return q8_tile<6>(t, a, m0, y, ldy, rows);
+    case 7: return q8_tile<7>(t, a, m0, y, ldy, rows);
+    default: return q8_tile<8>(t, a, m0, y, ldy, rows);
+  }
+}
+#else
+constexpr bool kQ8Int8 = false;
+#endif
+
+// y [M, N] = x [M, K] (rounded per 32 to Q8_0) @ W^T, W int8 [N, K] with float16 scales [N, K / 32].
+inline void linear_q8_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor y) {
+  TORCH_CHECK(kQ8Int8, "linear_q8_int8 needs AVX-512 VNNI");
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be float32 [M, K] contiguous");
+  TORCH_CHECK(w.dtype() == torch::kInt8 && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1), "w must be int8 [N, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % 32 == 0, "Q8_0 rows must be whole blocks of 32, got ", K);
+  TORCH_CHECK(scale.dtype() == torch::kFloat16 && scale.is_contiguous() && scale.numel() == N * (K / 32), "scale must be float16 [N, K / 32]");
+  TORCH_CHECK(y.dtype() == torch::kFloat32 && y.is_contiguous() && y.size(0) == M && y.size(1) == N, "y must be float32 [M, N]");
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  static thread_local Q8Acts decode_acts;  // reused: decode calls are many and small
+  Q8Acts prefill_acts;
+  Q8Acts& a = M <= kQ8Rows ? decode_acts : prefill_acts;
+  a.quantize(x.data_ptr<float>(), M, K);
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const at::Half* sp = scale.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  const int64_t nb = K / 32;
+  if (M <= kQ8Rows) {
+    at::parallel_for(0, N, std::max<int64_t>(1, (64 << 10) / K), [&](int64_t lo, int64_t hi) {
+      for (int64_t n = lo; n < hi; ++n) {
+        float sums[kQ8Rows];
+        q8_rows(M, wp + n * K, sp + n * nb, a, 0, sums);
+        for (int64_t m = 0; m < M; ++m) yp[m * N + n] = sums[m];
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t lo, int64_t hi) {
+    Q8Tile tile;
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t n0 = 16 * t, rows = std::min<int64_t>(16, N - n0);
+      tile.open(wp + n0 * K, sp + n0 * nb, rows, K);
+      for (int64_t m0 = 0; m0 < M; m0 += kQ8Rows) q8_tile_rows(std::min(kQ8Rows, M - m0), tile, a, m0, yp + n0, N, rows);
+    }
+  });
+#endif
+}
+
+}  // namespace q8
+}  // namespace deltaserve
