@@ -73,6 +73,9 @@ def _add_model_args(p: argparse.ArgumentParser):
                    help="tensor shards: run under torchrun with this many processes, each holding a share of "
                         "every layer's heads, columns and experts (every family; quantised files where the "
                         "shares fall on the file's blocks; default 1)")
+    p.add_argument("--micro-batches", type=_int(1), default=1,
+                   help="with --pp: split each step's batch of sequences into up to this many micro-batches, so "
+                        "that the stages run at once (ranks on separate machines; default 1: they take turns)")
     p.add_argument("--dist-timeout", type=_float(0, low_open=True), default=120,
                    help="with --pp / --tp: seconds a rank waits for another before failing with an error (default 120)")
 
@@ -124,6 +127,8 @@ def _load(args):
 def _join(args):
     """With --pp / --tp N: this process's part of the model ((model, tokenizer) on rank 0, None on the other
     ranks once rank 0 has stopped); without: None."""
+    if args.micro_batches > 1 and args.pp == 1:
+        raise DeltaserveError(f"--micro-batches {args.micro_batches} splits the passes of a pipeline: it needs --pp N")
     if max(args.pp, args.tp) == 1:
         return None
     import torch
@@ -132,7 +137,7 @@ def _join(args):
     from deltaserve.engine.llm import DEFAULT_MODEL
 
     return join(args.model or DEFAULT_MODEL, pp=args.pp, tp=args.tp, dtype=getattr(torch, args.dtype),
-                kv_dtype=_kv_dtype(args), timeout_s=args.dist_timeout)
+                kv_dtype=_kv_dtype(args), timeout_s=args.dist_timeout, micro_batches=args.micro_batches)
 
 
 def _kv_dtype(args):
@@ -151,7 +156,7 @@ def cmd_run(args):
     if llm is None:
         return
     sys.stdout.write(args.prompt)
-    for piece in llm.generate(args.prompt, stream=True, **_sampling(args)):
+    for piece in llm.generate(args.prompt, stream=True, token_healing=not args.no_token_healing, **_sampling(args)):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -180,7 +185,9 @@ def cmd_serve(args):
     if spread and (args.cache_dir or args.slot_save_path):
         raise DeltaserveError(f"{'--cache-dir' if args.cache_dir else '--slot-save-path'} does not work with "
                               "--pp / --tp yet: part of each checkpoint lies on the other ranks")
-    loaded = _join(args) if spread else load(args.model, dtype=getattr(torch, args.dtype), kv_dtype=_kv_dtype(args))
+    # _join also refuses --micro-batches without --pp
+    loaded = _join(args) if spread or args.micro_batches > 1 else \
+        load(args.model, dtype=getattr(torch, args.dtype), kv_dtype=_kv_dtype(args))
     if loaded is None:
         return  # a worker rank: rank 0 has stopped
     model, tokenizer = loaded
@@ -247,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(run)
     run.add_argument("-p", "--prompt", required=True, help="the text to continue")
     _add_sampling_args(run)
+    run.add_argument("--no-token-healing", action="store_true",
+                     help="keep the prompt's last token as it is (by default a prompt ending inside a longer token, "
+                          "such as 'ROMEO.' before '.\\n', is backed off by it and the first token must start with it)")
     run.set_defaults(fn=cmd_run)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal",
@@ -272,8 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="let web pages from these origins call the API (CORS), e.g. http://localhost:3000; "
                             "'*' for any (default: none)")
     serve.add_argument("--slots", type=_int(1), default=8, help="sequences decoded together (default 8)")
-    serve.add_argument("--spec-max-batch", type=_int(1), default=None, metavar="N",
-                       help="with --spec: a decode step of more than N sequences drafts nothing (default: always draft)")
+    serve.add_argument("--spec-max-batch", type=_int(1), default=4, metavar="N",
+                       help="with --spec: a decode step of more than N sequences drafts nothing: a wide batch already "
+                            "fills the pass, and verifying drafts for each costs more than they save (default 4)")
     serve.add_argument("--served-model-name", default=None, help="model id in the API (default: the file name)")
     serve.add_argument("--max-request-bytes", type=_int(1), default=MAX_REQUEST_BYTES,
                        help="largest request body; larger ones get 413 (default 4 MiB)")

@@ -243,6 +243,18 @@ class Tokenizer:
             raise DeltaserveError(f"token id {token_id} is outside the vocabulary (size {len(self._pieces)})")
         return b"" if skip_special_tokens and token_id in self._special else self._pieces[token_id]
 
+    def healing(self, ids: list[int]) -> tuple[int, tuple[int, ...]] | None:
+        """Token healing of a prompt that ends inside what the vocabulary would write as one token ("ROMEO."
+        ends with "." where the text it was learnt from has ".\n"): (the last token, every token whose bytes
+        start with its bytes), to back the prompt off by that token and let the first generated token be one
+        of those; None when no longer token starts with it (or it is special)."""
+        if not ids or ids[-1] in self._special:
+            return None
+        last = self.token_bytes(ids[-1])
+        extending = tuple(i for i, piece in enumerate(self._pieces)
+                          if piece.startswith(last) and i not in self._special)
+        return (ids[-1], extending) if len(extending) > 1 else None
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; bytes that do not form valid UTF-8 become U+FFFD."""
         data = b"".join(self.token_bytes(i, skip_special_tokens) for i in ids)

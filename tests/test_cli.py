@@ -27,8 +27,10 @@ def deltaserve(*args, stdin=None, timeout=300):
 def test_run_streams_the_same_text_as_the_api(tiny_gguf):
     done = deltaserve("run", tiny_gguf, "-p", "Hello there", "-n", "12", "--temperature", "0")
     assert done.returncode == 0, done.stderr
-    expected = LLM(tiny_gguf).generate("Hello there", max_tokens=12, temperature=0)
+    expected = LLM(tiny_gguf).generate("Hello there", max_tokens=12, temperature=0, token_healing=True)
     assert done.stdout == "Hello there" + expected.text + "\n"
+    kept = deltaserve("run", tiny_gguf, "-p", "Hello there", "-n", "12", "--temperature", "0", "--no-token-healing")
+    assert kept.stdout == "Hello there" + LLM(tiny_gguf).generate("Hello there", max_tokens=12, temperature=0).text + "\n"
 
 
 def test_kv_dtype_option(tiny_gguf):
@@ -36,7 +38,8 @@ def test_kv_dtype_option(tiny_gguf):
     an unknown dtype is refused by name."""
     done = deltaserve("run", tiny_gguf, "-p", "Hello there", "-n", "12", "--temperature", "0", "--kv-dtype", "float32")
     assert done.returncode == 0, done.stderr
-    expected = LLM(tiny_gguf, kv_dtype=torch.float32).generate("Hello there", max_tokens=12, temperature=0)
+    expected = LLM(tiny_gguf, kv_dtype=torch.float32).generate("Hello there", max_tokens=12, temperature=0,
+                                                               token_healing=True)
     assert done.stdout == "Hello there" + expected.text + "\n"
     bad = deltaserve("run", tiny_gguf, "--kv-dtype", "int3")
     assert bad.returncode != 0 and "--kv-dtype" in bad.stderr

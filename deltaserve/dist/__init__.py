@@ -30,11 +30,12 @@ LOAD_TIMEOUT_S = 3600  # ranks load their parts at their own pace: the first pas
 
 
 def join(path: str | Path, *, pp: int = 1, tp: int = 1, dtype: torch.dtype = torch.float32,
-         kv_dtype: torch.dtype | None = None, timeout_s: float = 120.0):
+         kv_dtype: torch.dtype | None = None, timeout_s: float = 120.0, micro_batches: int = 1):
     """This process's part of the checkpoint at `path` spread over pp pipeline stages or tp tensor shards
     (every rank reads only its own tensors, from the same file or its own copy at that path). Rank 0:
     (model, tokenizer), the other ranks stopped when it exits (atexit). Other ranks: None once rank 0 said
-    stop. timeout_s: how long any rank waits for another before giving up with a DistributedError."""
+    stop. timeout_s: how long any rank waits for another before giving up with a DistributedError.
+    micro_batches (--pp): the most micro-batches a pass is split into (default 1: unsplit)."""
     if pp > 1 and tp > 1:
         raise DeltaserveError(f"--pp {pp} with --tp {tp}: one kind of split at a time so far")
     world_size = max(pp, tp)
@@ -58,7 +59,7 @@ def join(path: str | Path, *, pp: int = 1, tp: int = 1, dtype: torch.dtype = tor
     atexit.register(_close, link)
     tokenizer = (Tokenizer.from_gguf_metadata(ckpt.metadata, str(ckpt.path)) if hasattr(ckpt, "metadata")
                  else Tokenizer.from_hf_dir(Path(path)))
-    spread = PipelineModel(model, part.stages, link) if pp > 1 else TensorModel(model, part, link)
+    spread = PipelineModel(model, part.stages, link, micro_batches) if pp > 1 else TensorModel(model, part, link)
     return spread, tokenizer
 
 

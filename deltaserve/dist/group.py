@@ -10,6 +10,7 @@ next command, can tell an idle server from a dead one.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -98,6 +99,14 @@ class Link:
         self.bytes_received += sum(t.numel() * t.element_size() for t in out)
         return out
 
+    def isend(self, t: torch.Tensor, dst: int) -> Pending:
+        self.bytes_sent += t.numel() * t.element_size()
+        return isend(t, dst)
+
+    def irecv(self, shape: Shape, src: int) -> Pending:
+        self.bytes_received += math.prod(shape[0]) * shape[1].itemsize
+        return irecv(shape, src)
+
     def close(self) -> None:
         """Tell the other ranks to exit (they do once they read it); nothing to do on a broken link."""
         self._stop.set()
@@ -152,3 +161,29 @@ def recv(shapes: Sequence[Shape], src: int) -> list[torch.Tensor]:
         if t.numel():
             dist.recv(t, src)
     return out
+
+
+class Pending:
+    """A tensor on its way (isend / irecv): wait() once it is there, within the group's timeout. The
+    tensor is kept here until then, as gloo reads or writes it in the background."""
+
+    def __init__(self, t: torch.Tensor, work):
+        self.tensor, self.work = t, work
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.tensor
+
+
+def isend(t: torch.Tensor, dst: int) -> Pending:
+    """Start sending t to rank dst (not empty: both ends know the shape)."""
+    t = t.contiguous()
+    return Pending(t, dist.isend(t, dst))
+
+
+def irecv(shape: Shape, src: int) -> Pending:
+    """Start receiving a tensor of this (shape, dtype) from rank src; several from one rank arrive in order."""
+    t = torch.empty(shape[0], dtype=shape[1])
+    return Pending(t, dist.irecv(t, src))

@@ -124,6 +124,26 @@ def stage_forward(model: HybridModel, x: torch.Tensor, state: HybridState, slots
         return h
 
 
+def micro_batches(n: int, m: int) -> list[int]:
+    """Row counts of min(n, m) contiguous micro-batches of a pass over n slots, as even as they go (the
+    first ones a row larger): m = 1, or one slot, is the pass unsplit."""
+    m = max(1, min(n, m))
+    return [n // m + (i < n % m) for i in range(m)]
+
+
+def merged(kept: list[Snapshots | None]) -> Snapshots | None:
+    """One pass's snapshots from those its micro-batches kept (contiguous rows, in order): per layer, their
+    rows stacked, which is what the pass unsplit keeps (each row's tensors depend on its own slot only)."""
+    if kept[0] is None or len(kept) == 1:
+        return kept[0]
+
+    def rows(tensors):
+        return None if tensors[0] is None else torch.cat(tensors)
+    return Snapshots([s for k in kept for s in k.slots], [n for k in kept for n in k.lengths], kept[0].tokens,
+                     kept[0].depth, [rows(t) for t in zip(*(k.conv for k in kept))],
+                     [rows(t) for t in zip(*(k.ssm for k in kept))])
+
+
 def state_shapes(model: HybridModel, layers, recurrent: list[bool], tokens: int | None = None):
     """(shape, dtype) of one slot's conv and delta-rule states (tokens None) or of `tokens` KV rows (k, then
     v), for each of `layers` that has them, in order: what a rank sends of one slot."""

@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -86,7 +86,7 @@ class LLM:
     def generate(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop: list[str] | str = (),
                  ignore_eos: bool = False, stream: bool = False, speculative: str | Literal[False] | None = None,
-                 grammar: str | None = None, n: int = 1, **sampling):
+                 grammar: str | None = None, n: int = 1, token_healing: bool = False, **sampling):
         """Continue `prompt` (text or token ids). Returns a GenerationResult, or with stream=True an iterator
         of text pieces as they are decided (text that may still turn into a stop string is held back).
         speculative: "ngram", "mtp", a draft model's path, False (off) or None (the LLM's default). Greedy
@@ -97,7 +97,10 @@ class LLM:
         a drafter) raises DeltaserveError naming it, from the stream too; the slots start over, so the next
         call works. **sampling: the other SamplingParams (presence_penalty, frequency_penalty,
         repetition_penalty, logit_bias, min_tokens, stop_token_ids, logprobs, prompt_logprobs), which fill
-        GenerationResult's logprobs and prompt_logprobs."""
+        GenerationResult's logprobs and prompt_logprobs. token_healing: a prompt that ends inside a longer
+        token ("ROMEO." where the model learnt ".\n") is backed off by its last token and the first generated
+        token must start with that token's text, which the returned text leaves out (it continues the prompt
+        as given; token_ids hold the generated tokens)."""
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
             raise DeltaserveError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
         if n > 1 and stream:
@@ -107,6 +110,11 @@ class LLM:
                                 ignore_eos=ignore_eos, grammar=grammar, **sampling)
         spec = self.speculative if speculative is None else speculative
         ids = self._encode(prompt)
+        healed = self.tokenizer.healing(ids) if token_healing and len(ids) > 1 else None
+        if healed is not None:
+            ids = ids[:-1]
+            params = replace(params, first_tokens=healed[1])
+            prefix = self.tokenizer.decode([healed[0]])
         if n > self.runner.n_slots:  # a slot per choice, so that each copies the prefilled state
             self._new_runner(n_slots=n)
         events: list[list[Event]] = [[] for _ in range(n)]
@@ -114,13 +122,13 @@ class LLM:
         reqs[0].followers = reqs[1:]
         steps = self._run(reqs, events, self._speculator(spec) if spec else None)
         if stream:
-            return self._texts(steps)
+            return self._texts(steps, prefix if healed is not None else "")
         ended = {i: e for i, e in steps if isinstance(e, Done)}
         dones = [ended[i] for i in range(n)]
         for done in dones:
             if done.error:
                 raise DeltaserveError(done.error)
-        results = [GenerationResult(d.text, d.token_ids, d.reason, d.prompt_tokens, d.logprobs, d.prompt_logprobs)
+        results = [GenerationResult(d.text[len(prefix):] if healed is not None else d.text, d.token_ids, d.reason, d.prompt_tokens, d.logprobs, d.prompt_logprobs)
                    for d in dones]
         return results if n > 1 else results[0]
 
@@ -153,11 +161,15 @@ class LLM:
         self.speculators.clear()
 
     @staticmethod
-    def _texts(steps):
-        """The text pieces of a run's events; an error ends the stream by raising it."""
+    def _texts(steps, skip: str = ""):
+        """The text pieces of a run's events, less the first len(skip) characters (a healed prompt's last
+        token); an error ends the stream by raising it."""
         for _, event in steps:
             if isinstance(event, Delta):
-                yield event.text
+                text, cut = event.text[len(skip):], min(len(skip), len(event.text))
+                skip = skip[cut:]
+                if text:
+                    yield text
             elif event.error:
                 raise DeltaserveError(event.error)
 

@@ -11,6 +11,7 @@ Conventions, as vLLM's (v1) sampler has them:
   llama.cpp applies it to the last `repeat_last_n` tokens only).
 - frequency_penalty f and presence_penalty r apply to the output tokens only (OpenAI's definition):
   logit -= f * count + r * (count > 0).
+- first_tokens (token healing, not an OpenAI parameter): the first generated token is one of these.
 - Reported logprobs are log_softmax of the RAW logits (the model's distribution), before bias, penalties,
   temperature or any filter: vLLM's default ("raw_logprobs"). They therefore do not change with the
   sampling settings, and equal what LLM.score gives.
@@ -42,6 +43,12 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: Seq
         bias = torch.tensor([params.logit_bias[i] for i in ids.tolist()], dtype=logits.dtype)
         logits[ids] += bias
         logits[ids[bias <= BAN]] = float("-inf")
+    if params.first_tokens is not None and not output_ids:
+        banned = True
+        allowed = torch.tensor([i for i in params.first_tokens if i < V], dtype=torch.long)
+        kept = logits[allowed]
+        logits.fill_(float("-inf"))
+        logits[allowed] = kept
     if len(output_ids) < params.min_tokens and end_ids:
         logits[torch.tensor([i for i in end_ids if i < V], dtype=torch.long)] = float("-inf")
     if params.repetition_penalty != 1.0 and (prompt_ids or output_ids):

@@ -43,6 +43,7 @@ class SamplingParams:
     logprobs: int | None = None  # report the chosen token's logprob and this many top ones; None: off
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     grammar: str | None = None  # an llguidance grammar the output must follow (engine.grammar builds them)
+    first_tokens: tuple[int, ...] | None = None  # the first generated token is one of these (token healing)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -74,6 +75,8 @@ class SamplingParams:
                                               and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
              f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}]"),
             (self.grammar is None or isinstance(self.grammar, str), "grammar must be a string"),
+            (self.first_tokens is None or (len(self.first_tokens) > 0 and all(_is_int(t) and t >= 0 for t in self.first_tokens)),
+             "first_tokens must be token ids >= 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -83,7 +86,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether logits.process_logits changes anything for these settings."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.first_tokens is not None)
 
     @property
     def greedy(self) -> bool:

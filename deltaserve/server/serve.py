@@ -13,7 +13,8 @@ import signal
 import uvicorn
 from fastapi import FastAPI
 
-GRACE_SECONDS = 3.0  # after which uvicorn cancels what still runs (a client that does not read its stream)
+GRACE_SECONDS = 2.0  # after which uvicorn cancels what still runs (a client that does not read its stream); the
+# interpreter's own exit (torch, the kernels' module) takes another 1-2 s on a shared 2-core machine
 
 
 class _Server(uvicorn.Server):

@@ -17,6 +17,7 @@ from deltaserve.dist import DistributedError, join
 from deltaserve.engine.llm import LLM, load
 from deltaserve.engine.runner import ModelRunner
 from deltaserve.models import packed
+from deltaserve.models.state import Snapshots
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -147,7 +148,8 @@ def check_quantised(rank: int, path: str, port: int, int8: bool) -> None:
 
 
 def check_dead_rank(rank: int, path: str, port: int, how: str, timeout_s: float, out) -> None:
-    """Rank 0 stops or kills rank 1, then runs a pass: a DistributedError must come within the timeout."""
+    """Rank 0 stops or kills rank 1, then runs a pass over 3 slots in 2 micro-batches (rank 0 sends the first
+    and runs the second before it waits): a DistributedError must come within the timeout."""
     setup(rank, 2, port)
     from deltaserve.dist import group
 
@@ -158,17 +160,18 @@ def check_dead_rank(rank: int, path: str, port: int, how: str, timeout_s: float,
     if rank != 0:
         return
     pipe, _ = loaded
-    runner = ModelRunner(pipe, n_slots=1, max_len=32, checkpoint_interval=0)
-    runner.forward([0], [[1, 2, 3]])
+    pipe.micro_batches = 2  # 3 slots go in micro-batches of 2 and 1
+    runner = ModelRunner(pipe, n_slots=3, max_len=32, checkpoint_interval=0)
+    runner.forward([0, 1, 2], [[1, 2, 3]] * 3)
     os.kill(pids[1], signal.SIGSTOP if how == "hang" else signal.SIGKILL)
     began = time.monotonic()
     try:
-        runner.forward([0], [[4]])
+        runner.forward([0, 1, 2], [[4]] * 3)
         out.put(("no error", 0.0))
     except DistributedError as e:
         out.put((str(e), time.monotonic() - began))
     try:
-        runner.forward([0], [[5]])
+        runner.forward([0, 1, 2], [[5]] * 3)
         out.put(("no error", 0.0))
     except DistributedError as e:  # at once: the link is broken for good
         out.put((str(e), time.monotonic() - began))
@@ -177,3 +180,119 @@ def check_dead_rank(rank: int, path: str, port: int, how: str, timeout_s: float,
     out.close()
     out.join_thread()  # what was put reaches the test before the exit below
     os._exit(0)  # the group cannot be left cleanly with a dead peer
+
+
+def check_micro_batches(rank: int, path: str, port: int, draft: str) -> None:
+    """Passes over 5 slots in 2 and 3 micro-batches: prefill (every position's logits), decode, verify +
+    rollback, and each slot's state after, against the whole model in one process running the same
+    micro-batches one after another (bitwise: the same operations on the same rows), and against the pass
+    unsplit in one process (within 1e-5: CPU GEMMs choose their blocking by the rows they get, so a row's
+    sums round differently in a batch of 2 than in one of 5). Then several requests at once with n-gram
+    speculation (verify passes over several slots, split, then rollback) through the engine, drafted by
+    n-gram lookup and by `draft` (the model quantised: most drafts kept, some not)."""
+    setup(rank, 2, port)
+    loaded = join(path, pp=2, timeout_s=60, micro_batches=1)
+    if rank != 0:
+        return
+    pipe, tokenizer = loaded
+    ref, _ = load(path)
+    whole = _micro_steps(ref)
+    pipe.micro_batches = 1
+    for got, want in zip(_micro_steps(pipe), whole):
+        assert (got is None) == (want is None)
+        assert got is None or torch.equal(got, want)
+    for m in (2, 3):
+        pipe.micro_batches = m
+        got = _micro_steps(pipe)
+        for a, b, c in zip(got, _micro_steps(InTurns(ref, m)), whole):
+            assert (a is None) == (b is None)
+            if b is not None:
+                assert torch.equal(a, b)
+                assert_same(a, c, "pp")
+    pipe.micro_batches = 2
+    _engine_speculating(pipe, tokenizer, path, "ngram")
+    assert _engine_speculating(pipe, tokenizer, path, draft).steps > 0
+
+
+class InTurns:
+    """The whole model in one process running each pass's rows as m micro-batches one after another (sizes
+    as even as they go, the first ones larger), the per-token states of a pass that keeps them put together
+    row by row for rollback."""
+
+    def __init__(self, model, m: int):
+        self.model, self.m = model, m
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, input_ids, state, slots, logits="last", snapshots=0):
+        n = len(slots)
+        m = min(n, self.m)
+        sizes = [n // m + (i < n % m) for i in range(m)]
+        outs, kept = [], []
+        for ids, rows in zip(input_ids.split(sizes), slots.split(sizes)):
+            outs.append(self.model(ids, state, rows, logits=logits, snapshots=snapshots))
+            kept.append(state.snapshots)
+        if snapshots:
+            def cat(layers):
+                return [None if t[0] is None else torch.cat(t) for t in zip(*layers)]
+            state.snapshots = Snapshots([s for k in kept for s in k.slots], [x for k in kept for x in k.lengths],
+                                        kept[0].tokens, kept[0].depth, cat([k.conv for k in kept]),
+                                        cat([k.ssm for k in kept]))
+        return torch.cat(outs)
+
+    forward = __call__
+
+
+def _micro_steps(model) -> list:
+    """Logits of each pass and every slot's state (KV rows, conv and delta-rule states) at the end."""
+    gen = torch.Generator().manual_seed(4)
+    V = model.config.vocab_size
+    runner = ModelRunner(model, n_slots=6, max_len=64, checkpoint_interval=0)
+    slots = [4, 0, 2, 5, 1]
+    out = [runner.forward(slots, torch.randint(0, V, (5, 13), generator=gen).tolist(), "all")]
+    for _ in range(3):
+        out.append(runner.forward(slots, torch.randint(0, V, (5, 1), generator=gen).tolist()))
+    verified = [0, 2, 5]
+    out.append(runner.verify(verified, torch.randint(0, V, (3, 4), generator=gen).tolist()))
+    for slot, keep in zip(verified, (1, 3, 4)):  # of the 4 verified tokens
+        runner.rollback(slot, len(runner.history[slot]) - 4 + keep)
+    out.append(runner.forward(slots, torch.randint(0, V, (5, 1), generator=gen).tolist()))
+    for slot in sorted(slots):
+        k, v = runner.state.read_kv(slot, 0, int(runner.state.lengths[slot]))
+        saved = runner.state.save_recurrent(slot)
+        out += k + v + saved.conv + saved.ssm
+    return out
+
+
+def _engine_speculating(pipe, tokenizer, path: str, speculative: str):
+    """Three requests decoding together, speculating, give the tokens each gives alone in one process; the
+    engine's speculator (its counts)."""
+    import threading
+
+    from deltaserve.engine.engine import Engine
+    from deltaserve.engine.request import Done
+    from deltaserve.engine.sampling import SamplingParams
+
+    prompts = [[11, 12, 13, 14, 15] * 5, [7, 8, 9] * 7, list(range(3, 26))]
+    solo = LLM(path, max_len=128)
+    want = [solo.generate(p, max_tokens=16, temperature=0, ignore_eos=True).token_ids for p in prompts]
+    engine = Engine(pipe, tokenizer, n_slots=3, max_len=128, prefill_chunk=8, checkpoint_interval=16,
+                    speculative=speculative, spec_tokens=3)
+    done, finished = {}, threading.Event()
+
+    def on_event(i):
+        def handle(event):
+            if isinstance(event, Done):
+                done[i] = event
+                if len(done) == len(prompts):
+                    finished.set()
+        return handle
+    try:
+        for i, p in enumerate(prompts):
+            engine.submit(p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), on_event(i))
+        assert finished.wait(120)
+    finally:
+        engine.close()
+    assert [done[i].token_ids for i in range(len(prompts))] == want, speculative
+    return engine.speculator

@@ -136,3 +136,15 @@ def test_split_balances_weights_and_leaves_every_rank_a_layer(model_path):
 
 def test_gloo_is_there():
     assert torch.distributed.is_available() and torch.distributed.is_gloo_available()
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_micro_batches_give_the_unsplit_pass_and_one_process(arch, two_way, tmp_path):
+    draft = make_model(arch, "tiny", "q8_0", tmp_path / "draft.gguf", seed=3, changes=EVEN_HEADS["qwen35"]).gguf_path
+    mp.spawn(ranks.check_micro_batches, args=(str(two_way(arch)), _port(), str(draft)), nprocs=2)
+
+
+def test_micro_batches_without_a_pipeline_are_refused(model_path):
+    done = subprocess.run([sys.executable, "-m", "deltaserve", "run", str(model_path("qwen35")), "-p", "x",
+                           "--micro-batches", "2"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "--micro-batches 2 splits the passes of a pipeline: it needs --pp" in done.stderr

@@ -50,6 +50,30 @@ def test_min_tokens_bans_end_tokens_until_reached():
     assert adjusted(output=[3, 3], end=[0, 4], min_tokens=2) == RAW
 
 
+def test_first_tokens_hold_the_first_generated_token_only():
+    assert adjusted(first_tokens=(1, 4)) == [-math.inf, -1.0, -math.inf, -math.inf, 1.5]
+    assert adjusted(output=[2], first_tokens=(1, 4)) == RAW
+
+
+def test_token_healing_backs_off_the_last_token_and_picks_the_best_that_extends_it():
+    """"ROMEO." ends with "." where the plays have ".\n": healed greedy decoding drops the "." and takes the
+    likeliest token (by a separate scoring pass) whose text starts with "."; the text continues the prompt."""
+    llm = LLM(None, max_len=128)  # the embedded model: its vocabulary has ".\n"
+    tok = llm.tokenizer
+    ids = tok.encode("ROMEO.")
+    assert tok.decode(ids[-1:]) == "."
+    out = llm.generate("ROMEO.", max_tokens=6, temperature=0, token_healing=True)
+    scores = llm.score(ids[:-1])[-1]
+    extending = [i for i in range(tok.vocab_size) if tok.decode([i]).startswith(".")]
+    assert tok.encode(".\n")[0] in extending
+    best = max(extending, key=lambda i: float(scores[i]))
+    assert out.token_ids[0] == best
+    assert "." + out.text == tok.decode(out.token_ids)
+    plain = llm.generate("ROMEO.", max_tokens=6, temperature=0)  # off by default: the model's own first token,
+    first = int(llm.score(ids)[-1].argmax())  # which here ends the text at once
+    assert plain.token_ids[:1] == [first] or (plain.token_ids == [] and tok.decode([first]) in ("<|im_end|>", "<|endoftext|>"))
+
+
 def test_banning_every_token_is_an_error_not_a_nan():
     with pytest.raises(ValueError, match="every token"):
         adjusted(logit_bias={i: -100 for i in range(5)})
