@@ -123,10 +123,11 @@ def take_rows(w: torch.Tensor, ranges, pad: int = 0) -> nn.Parameter:
     of zero bytes (every type in TYPES reads zero scales as zero weights). A tensor-parallel rank's share of
     the output features."""
     pk = w.packing
+    assert not pk.panels, "shares are taken of the file's rows, before to_panels"
     K = pk.shape[-1]
     pieces, segments = [], []
     for start, end in ranges:
-        for qtype, first, last, offset in pk.table.tolist():
+        for qtype, first, last, offset, _ in pk.table.tolist():
             a, b = max(start, first), min(end, last)
             if a < b:
                 size = row_bytes(Q(qtype), K)
@@ -152,12 +153,13 @@ def take_columns(w: torch.Tensor, start: int, end: int, name: str = "") -> nn.Pa
     fill whole blocks of each type's block size; otherwise a DeltaserveError names the tensor (`name`) and the
     block size: a block's weights share one scale and cannot be parted."""
     pk = w.packing
+    assert not pk.panels, "shares are taken of the file's rows, before to_panels"
     N, K = pk.shape
     held = pk.x_index if pk.x_index is not None else torch.arange(K)  # each file column's held column
     keep = (held >= start) & (held < end)
     x_index = held[keep] - start
     pieces = []
-    for qtype, first, last, offset in pk.table.tolist():
+    for qtype, first, last, offset, _ in pk.table.tolist():
         block, size = GGML_QUANT_SIZES[Q(qtype)]
         count = keep.view(K // block, block).sum(-1)
         if bool(((count > 0) & (count < block)).any()):
@@ -174,7 +176,7 @@ def take_columns(w: torch.Tensor, start: int, end: int, name: str = "") -> nn.Pa
 def take_matrices(w: torch.Tensor, start: int, end: int) -> nn.Parameter:
     """Matrices start:end of stacked packed matrices (experts), copied: the whole stack can then be freed."""
     pk = w.packing
-    return parameter(w[start:end].clone(), Packing(pk.segments, (end - start, *pk.shape[1:]), pk.x_index))
+    return parameter(w[start:end].clone(), Packing(pk.segments, (end - start, *pk.shape[1:]), pk.x_index, pk.panels))
 
 
 def rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -299,7 +301,7 @@ def read(layout: Layout, ckpt) -> nn.Parameter | None:
         torch.cat([raw.reshape(-1) for _, raw in m], out=flat[i])
     for name in _leaf_names(layout):
         _drop_pages(ckpt, name)
-    return to_panels(parameter(data, packing))
+    return parameter(data, packing)
 
 
 def _pieces(layout: Layout, ckpt):

@@ -105,8 +105,9 @@ K4 = ("qwen35moe", "tiny256", dict(linear_k_heads=4, linear_v_heads=4, linear_v_
 Q40 = ("qwen35", "tiny", dict(linear_k_heads=2, linear_v_heads=4, linear_v_dim=64, intermediate_size=192), "Q4_0")
 
 
-@pytest.mark.parametrize("spec, int8", [(Q8, False), (K4, False), (K4, True), (Q40, False)],
-                         ids=["Q8_0", "Q4_K_M-float-activations", "Q4_K_M-int8-activations", "Q4_0-tiled"])
+@pytest.mark.parametrize("spec, int8", [(Q8, False), (Q8, True), (K4, False), (K4, True), (Q40, False)],
+                         ids=["Q8_0", "Q8_0-int8-activations", "Q4_K_M-float-activations", "Q4_K_M-int8-activations",
+                              "Q4_0-tiled"])
 def test_quantised_shards_match_one_process(spec, int8, quantised):
     mp.spawn(ranks.check_quantised, args=(str(quantised(*spec)), _port(), int8), nprocs=2)
 

@@ -41,9 +41,8 @@ def step(model, h: torch.Tensor, rope, state, slots: torch.Tensor, start: torch.
                     or _split_decode(N * model.layers[i].mixer.num_kv_heads, start)):
                 return None
             conv.append(_NONE), ssm.append(_NONE), keys.append(k), values.append(v)
-    cos, sin = rope
-    out = plan.step(h.reshape(N, E).clone(), slots, start, cos.reshape(N, -1).contiguous(),
-                    sin.reshape(N, -1).contiguous(), conv, ssm, keys, values)
+    cos, sin = (_NONE, _NONE) if rope is None else (t.reshape(N, -1).contiguous() for t in rope)  # None: no attention
+    out = plan.step(h.reshape(N, E).clone(), slots, start, cos, sin, conv, ssm, keys, values)
     return out.view(N, 1, E)
 
 
