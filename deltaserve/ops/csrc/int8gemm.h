@@ -218,9 +218,9 @@ inline void gemm_panels(const Segments&, const uint8_t*, const XBlock*, int64_t,
 // which instructions the integer kernels of this build use (the benchmark prints it)
 inline std::string int8_isa() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  return "AVX-512 VNNI: prefill vpdpbusd on 16-row panels, decode vpmaddubsw + vpdpwssd";
+  return "AVX-512 VNNI: vpdpbusd on 16-row panels, decode straight from the row panels held at load";
 #elif defined(__AVX512BW__)
-  return "AVX-512 BW: vpmaddubsw + vpmaddwd";
+  return "AVX-512 BW: decode from 16-row panels, vpmaddubsw + vpmaddwd";
 #elif defined(__AVXVNNI__)
   return "AVX2 + AVX-VNNI: vpmaddubsw + vpdpwssd";
 #elif defined(__AVX2__)
