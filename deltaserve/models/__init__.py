@@ -28,7 +28,7 @@ def load_model(ckpt, dtype=None, device="cpu", weight_dtype=None, kv_dtype=None,
     with float32 activations, as the file stores them: for a quantised file (torch.int8, see common._file_form)
     its GGML blocks where our kernels read the type (Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0, IQ4_NL; models/packed.py),
     Q8_0 as int8 + scales (layers.quantize_q8), other quantisations widened to float16 (a rounding far below
-    their own); float16 for 16-bit files; else `dtype`. kv_dtype: the KV cache's; by
+    their own); float16 for F16 files, bfloat16 for bf16 ones (GGUF or transformers); else `dtype`. kv_dtype: the KV cache's; by
     default float16 beside weights stored in 16 or 8 bits with float32 activations (llama.cpp's default
     cache type: half the memory of float32 keys and values), else `dtype`. part: see common.build."""
     import torch
@@ -45,16 +45,22 @@ def load_model(ckpt, dtype=None, device="cpu", weight_dtype=None, kv_dtype=None,
 
 def _stored_dtype(ckpt):
     """How to keep the matmul weights: in the file's own form (torch.int8) if any tensor is quantised, else
-    judged by the file's embedding (the largest tensor)."""
+    judged by the file's embedding (the largest tensor): bfloat16 for a bf16 GGUF file or transformers checkpoint
+    (kept exactly, see common.build), float16 for an F16 GGUF file."""
     import gguf
     import torch
 
     Q = gguf.GGMLQuantizationType
-    if not (hasattr(ckpt, "metadata") and ckpt.has("token_embd.weight")):
+    if not hasattr(ckpt, "metadata"):
+        embed = next((n for n in ("model.language_model.embed_tokens.weight", "model.embed_tokens.weight")
+                      if ckpt.has(n)), None)
+        return torch.bfloat16 if embed is not None and ckpt.dtype(embed) == "BF16" else torch.float32
+    if not ckpt.has("token_embd.weight"):
         return torch.float32
     if any(ckpt.qtype(n) not in (Q.F32, Q.F64, Q.F16, Q.BF16) for n in ckpt.names()):
         return torch.int8
-    return torch.float32 if ckpt.qtype("token_embd.weight") in (Q.F32, Q.F64) else torch.float16
+    embed = ckpt.qtype("token_embd.weight")
+    return torch.float32 if embed in (Q.F32, Q.F64) else torch.bfloat16 if embed == Q.BF16 else torch.float16
 
 
 __all__ = ["ARCHITECTURES", "FAMILIES", "HybridModel", "KimiConfig", "KimiModel", "QwenConfig", "QwenModel",

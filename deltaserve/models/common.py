@@ -26,6 +26,8 @@ def build(cls, ckpt, *, dtype: torch.dtype, device, weight_dtype: torch.dtype | 
     Parameters whose names end with `cls.keep_fp32` stay float32; the others are stored in `weight_dtype`
     (default `dtype`, the dtype the activations are computed in). weight_dtype=torch.int8 keeps the matmul
     weights in the file's own form (see _file_form): no value of a float or Q8_0 tensor changes.
+    weight_dtype=torch.bfloat16 beside float32 activations keeps the matmul weights (linear(), the embedding,
+    experts) in bfloat16 where that is exact (a bf16 file's), the other parameters in float32.
     part: this process's part of a model spread over several (deltaserve.dist): part.cut(model) returns the
     model it holds (still on the meta device: some layers, or every layer with a share of the heads), and
     part.shard(name, t) the share of a parameter read whole; only the parameters left are read."""
@@ -53,12 +55,16 @@ def build(cls, ckpt, *, dtype: torch.dtype, device, weight_dtype: torch.dtype | 
     stored = weight_dtype or dtype
     keep = {name for name, _ in model.named_parameters() if name.endswith(cls.keep_fp32)}
     file_form = stored == torch.int8
+    # bfloat16 matmul weights beside float32 activations: the rest (norms, gates, conv) widened to float32
+    narrow = stored == torch.bfloat16 and dtype == torch.float32
     matmul = set()
-    if file_form:  # only weights that linear() / embed_tokens() read may stay quantised
-        stored = torch.float16
+    if file_form or narrow:  # only weights that linear() / embed_tokens() read may stay quantised or in bfloat16
         matmul = ({f"{m}.weight" for m, mod in model.named_modules() if isinstance(mod, Linear)} | {"embed.weight"}
                   | {f"{m}.{w}" for m, mod in model.named_modules() if isinstance(mod, Experts) for w in ("gate_up", "down")})
-        matmul = matmul - keep if torch.device(device).type == "cpu" else set()  # their kernels are CPU ones
+        matmul -= keep
+    if file_form:
+        stored = torch.float16
+        matmul = matmul if torch.device(device).type == "cpu" else set()  # their kernels are CPU ones
     params = {}
     total = sum(p.numel() * (4 if n in keep else stored.itemsize) for n, p in model.named_parameters())
     with progress_bar(total, f"loading {Path(ckpt.path).name}") as bar, loading_memory():
@@ -68,7 +74,9 @@ def build(cls, ckpt, *, dtype: torch.dtype, device, weight_dtype: torch.dtype | 
             else:
                 (_, t), = load_params([p], ckpt, fmt)
                 t = t if part is None else part.shard(p.name, t)
-                params[p.name] = _store(t, torch.float32 if p.name in keep else stored, device)
+                kind = torch.float32 if p.name in keep else stored
+                params[p.name] = _store(t, (_narrowest(t) if p.name in matmul else torch.float32) if narrow else kind,
+                                        device)
             bar.update(math.prod(model.get_parameter(p.name).shape) * (4 if p.name in keep else stored.itemsize))
     _assign(model, params, ckpt)
     return model.eval()
@@ -276,6 +284,12 @@ def _fits(t: torch.Tensor | Rows, dtype: torch.dtype) -> bool:
     """Whether every value of t survives a round trip through dtype."""
     blocks = t.blocks() if isinstance(t, Rows) else [(0, t)]
     return all(torch.equal(b.to(dtype).to(b.dtype), b) for _, b in blocks)
+
+
+def _narrowest(t: torch.Tensor | Rows) -> torch.dtype:
+    """The first of bfloat16, float16, float32 that holds every value of t exactly (a bf16 file's matrices are
+    bfloat16; a tensor the file keeps in float32 stays so)."""
+    return next((d for d in (torch.bfloat16, torch.float16) if _fits(t, d)), torch.float32)
 
 
 def _store(t: torch.Tensor | Rows, dtype: torch.dtype, device) -> torch.Tensor:

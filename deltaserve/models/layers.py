@@ -28,12 +28,14 @@ _DEQUANT_BYTES = 4 << 20  # a GEMM on a float16 / Q8_0 weight widens this much o
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) in x's dtype, whatever form the weight is stored in: x's dtype, float16, Q8_0
+    """x @ weight.T (+ bias) in x's dtype, whatever form the weight is stored in: x's dtype, float16, bfloat16, Q8_0
     (int8 with a `.scale`, see quantize_q8) or a file's GGML blocks (see models/packed.py). The smaller forms
     keep a half to an eighth of the memory and bandwidth of float32 ones while the activations, and so the
     result, stay float32."""
     if packed.is_packed(weight):
         return packed.linear(x, weight, bias)
+    if weight.dtype == torch.bfloat16 and bf16_kernel(x):
+        return _linear_bf16(x, weight, bias)
     if weight.dtype == x.dtype:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
@@ -60,6 +62,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y2 = y.view(-1, weight.shape[0])
     for r in range(0, weight.shape[0], step):
         torch.mm(rows, dequantize(part(weight, slice(r, r + step)), x.dtype).T, out=y2[:, r:r + step])
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def bf16_kernel(x: torch.Tensor) -> bool:
+    """Whether linear() multiplies bfloat16 weights by activations x in ops/csrc/bf16.h: float32 on CPU. (Where the
+    build has AVX512_BF16 it rounds x to bfloat16 there, as llama.cpp and transformers do beside bf16 weights.)"""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and fused.available()
+
+
+def _linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] float32 @ weight [N, K] bfloat16 ^T (+ bias): decode and prefill in one kernel (bf16.h)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    y = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
+    fused.extension().linear_bf16(rows, weight.contiguous(), y)
+    y = y.view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias.to(y.dtype)
 
 

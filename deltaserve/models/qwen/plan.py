@@ -91,6 +91,7 @@ def _linear(ext, module):
     N, K = w.shape
     if w.dtype == torch.int8 and q8_int8(torch.empty(0, K)):
         return ext.LinearRef(1, w, w.scale, _NONE.long(), N, K)
-    if w.dtype in (torch.float16, torch.float32) and w.is_contiguous():
-        return ext.LinearRef(2 if w.dtype == torch.float16 else 3, w, _NONE, _NONE.long(), N, K)
+    kinds = {torch.float16: 2, torch.float32: 3, torch.bfloat16: 5}
+    if w.dtype in kinds and w.is_contiguous():
+        return ext.LinearRef(kinds[w.dtype], w, _NONE, _NONE.long(), N, K)
     return None

@@ -2,8 +2,10 @@
 // delta_rule.h (the fused gated delta rule), conv.h, gdn.h (a GDN layer's middle in one call), layers.h (norms, SwiGLU, attention step), gemv.h,
 // kquants.h (packed GGML blocks: decoders, rows to float32) and kquants_avx512.h, packed.h (decode GEMV and rows to float32 on them),
 // int8dot.h, int8gemv.h, int8gemm.h and panels.h (integer dot products of K-quant blocks; int8q8.h of Q8_0 ones with activations rounded to int8), probe.h (peaks),
+// bf16.h (float32 activations times bfloat16 weights),
 // attention.h (tiled attention over the KV cache for long spans), plan.h (a decode step through dense layers).
 #include "attention.h"
+#include "bf16.h"
 #include "conv.h"
 #include "delta_rule.h"
 #include "gdn.h"
@@ -50,7 +52,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("to_panels", &deltaserve::kq::to_panels, "a packed matrix's K-quant rows rearranged into panels, in place");
   m.def("probe_fma", &deltaserve::probe_fma, "float32 FMAs per second, all threads (iters, reps)");
   m.def("probe_int8", &deltaserve::probe_int8, "int8 products per second, all threads (iters, reps)");
+  m.def("probe_bf16", &deltaserve::probe_bf16, "bfloat16 products per second as the bf16 kernels run them (iters, reps)");
   m.def("probe_read", &deltaserve::probe_read, "bytes read per second, all threads (buf, reps)");
+  m.def("linear_bf16", &deltaserve::bf16::linear_bf16, "float32 activations times bfloat16 weights (CPU)");
+  m.def("linear_bf16_shares", [](torch::Tensor x, torch::Tensor w, torch::Tensor y) {
+          return deltaserve::timed_shares([&] { deltaserve::bf16::linear_bf16(x, w, y); });
+        }, "linear_bf16 with each thread's (rows, seconds) of its share, for the benchmark");
+  m.def("bf16_isa", [] { return std::string(deltaserve::bf16::kIsa); }, "the instructions of the bf16 kernels in this build");
+  m.def("bf16_rounds_activations", [] { return deltaserve::bf16::kRoundsActivations; },
+        "whether the bf16 kernels round the activations to bfloat16 (AVX512_BF16 builds)");
   m.def("packed_rows", &deltaserve::kq::packed_rows, "rows of packed GGML blocks dequantised to float32 (CPU)");
 
   // plan.h: a decode step through dense Qwen layers in one call

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <vector>
 
+#include "bf16.h"
 #include "gdn.h"
 #include "gemv.h"
 #include "int8gemm.h"
@@ -21,14 +22,14 @@ namespace deltaserve {
 
 // y [M, N] = x [M, K] @ W^T for a weight in one of the forms linear() reads
 struct LinearRef {
-  enum Kind : int64_t { kInt8Packed = 0, kQ8 = 1, kF16 = 2, kF32 = 3, kPacked = 4 };
+  enum Kind : int64_t { kInt8Packed = 0, kQ8 = 1, kF16 = 2, kF32 = 3, kPacked = 4, kBF16 = 5 };
   int64_t kind;
   torch::Tensor w, aux, x_index;  // aux: the segment table (packed) or the scales (Q8_0); x_index: gather x first
   int64_t N, K;
 
   LinearRef(int64_t kind, torch::Tensor w, torch::Tensor aux, torch::Tensor x_index, int64_t N, int64_t K)
       : kind(kind), w(w), aux(aux), x_index(x_index), N(N), K(K) {
-    TORCH_CHECK(kind >= 0 && kind <= 4, "LinearRef: unknown kind ", kind);
+    TORCH_CHECK(kind >= 0 && kind <= 5, "LinearRef: unknown kind ", kind);
   }
 
   torch::Tensor operator()(torch::Tensor x) const {
@@ -41,6 +42,7 @@ struct LinearRef {
       case kF16: linear_f16(x, w, y); break;
       case kF32: at::mm_out(y, x, w.t()); break;
       case kPacked: kq::linear_packed(x, w, aux, y); break;
+      case kBF16: bf16::linear_bf16(x, w, y); break;
     }
     return y;
   }

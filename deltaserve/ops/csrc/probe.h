@@ -1,6 +1,6 @@
 // The machine's own peaks, measured in the benchmark's run (bench/kernels.py) so that each kernel's rate can be
 // given as a fraction of what this CPU reaches: float32 FMAs, int8 dot products (vpdpbusd, or vpmaddubsw +
-// vpmaddwd without VNNI) and memory reads. Each thread keeps 12 independent chains (an FMA waits 4 cycles, and
+// vpmaddwd without VNNI), bfloat16 dot products (vdpbf16ps) and memory reads. Each thread keeps 12 independent chains (an FMA waits 4 cycles, and
 // two issue per cycle: 8 chains in flight is the least that fills both pipes). Each thread times its own rounds
 // and keeps its fastest, and the rates add up: on a machine shared with other jobs a thread is often preempted,
 // and timing all threads together would measure the scheduler.
@@ -95,6 +95,27 @@ inline double probe_int8(int64_t iters, int64_t reps) {
     asm volatile("" : : "r"(sink));
     return 2.0 * lanes * kChains * iters;
   });
+}
+
+// bfloat16 products (a multiply and an add each) per second on all threads as the bf16 kernels run them: vdpbf16ps
+// where the build has AVX512_BF16 (32 products a vector), else the float32 FMAs their widened weights go through
+inline double probe_bf16(int64_t iters, int64_t reps) {
+#if defined(__AVX512BF16__)
+  return per_thread_rate(reps, [&](int64_t) {
+    __m512 acc[kChains];
+    const __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0.999f), _mm512_set1_ps(0.999f));
+    const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(1e-3f));
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_ps(static_cast<float>(c));
+    for (int64_t i = 0; i < iters; ++i)
+      for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
+    for (int c = 1; c < kChains; ++c) acc[0] = _mm512_add_ps(acc[0], acc[c]);
+    const float sink = _mm512_reduce_add_ps(acc[0]);
+    asm volatile("" : : "x"(sink));
+    return 2.0 * 32 * kChains * iters;
+  });
+#else
+  return probe_fma(iters, reps);
+#endif
 }
 
 // bytes read per second on all threads, each reading its share of `buf` (uint8, contiguous, whole 256s) 1 MB a

@@ -1,0 +1,232 @@
+// Float32 activations times bfloat16 weights [N, K] (a BF16 GGUF's or a bf16 Hugging Face checkpoint's matrices, kept
+// as the file holds them). Where the build has AVX512_BF16, the activations are rounded to bfloat16 (to nearest,
+// ties to even), as llama.cpp and transformers do beside bf16 weights, and vdpbf16ps multiplies pairs of them
+// (products exact in float32, sums in float32). Elsewhere the weights are widened to float32 in registers (a
+// bfloat16 is a float32's upper half: a 16-bit shift) and multiplied by the float32 activations with FMAs:
+// AVX-512, AVX2, or portable C++. The build's macros choose, as in the other headers.
+//
+// Both products work on tiles of RM activation rows x RN weight rows, each output a dot product along K kept in
+// one vector accumulator (lanes = consecutive k), summed across lanes at the tile's end: no weight is rearranged,
+// so the same matrix serves embedding lookups, sharding and the tied output head as it lies.
+//   decode (M <= kGemvRows): threads split the weight rows; each tile of weight rows is read from memory once
+//     (prefetched ahead) and multiplied by every activation row while it is in L1;
+//   prefill: threads split blocks of kBlockRows weight rows (kept in L2), each multiplied by all activation
+//     rows, 4 x 4 tiles (16 accumulators, 8 loads a step).
+#pragma once
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "shares.h"
+
+namespace deltaserve {
+namespace bf16 {
+
+constexpr int64_t kGemvRows = 16;   // activation rows up to which the decode driver runs
+constexpr int64_t kBlockRows = 64;  // weight rows a prefill thread keeps in L2 while all activation rows pass
+constexpr int64_t kPrefetch = 4096; // bytes ahead of each weight row's stream in decode
+
+inline float widen(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// float32 -> bfloat16 bits, to nearest, ties to even (NaN kept a quiet NaN)
+inline uint16_t round_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The ISA: Acc a vector of float32 partial sums; a step multiplies kStep consecutive k of one activation row (X) by
+// one weight row; XT is how the activations are held (bfloat16 bits for vdpbf16ps, else float32).
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kRoundsActivations = true;
+constexpr const char* kIsa = "AVX512_BF16 (vdpbf16ps, activations rounded to bfloat16)";
+using XT = uint16_t;
+struct Isa {
+  static constexpr int64_t kStep = 32;
+  using Acc = __m512;
+  using W = __m512i;
+  using X = __m512i;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static W load_w(const uint16_t* p) { return _mm512_loadu_si512(p); }
+  static X load_x(const XT* p) { return _mm512_loadu_si512(p); }
+  static Acc madd(Acc a, X x, W w) { return _mm512_dpbf16_ps(a, (__m512bh)x, (__m512bh)w); }
+  static float sum(Acc a) { return _mm512_reduce_add_ps(a); }
+};
+#elif defined(__AVX512F__)
+constexpr bool kRoundsActivations = false;
+constexpr const char* kIsa = "AVX-512 (bfloat16 widened to float32, FMA)";
+using XT = float;
+struct Isa {
+  static constexpr int64_t kStep = 16;
+  using Acc = __m512;
+  using W = __m512;
+  using X = __m512;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static W load_w(const uint16_t* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static X load_x(const XT* p) { return _mm512_loadu_ps(p); }
+  static Acc madd(Acc a, X x, W w) { return _mm512_fmadd_ps(x, w, a); }
+  static float sum(Acc a) { return _mm512_reduce_add_ps(a); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr bool kRoundsActivations = false;
+constexpr const char* kIsa = "AVX2 (bfloat16 widened to float32, FMA)";
+using XT = float;
+struct Isa {
+  static constexpr int64_t kStep = 8;
+  using Acc = __m256;
+  using W = __m256;
+  using X = __m256;
+  static Acc zero() { return _mm256_setzero_ps(); }
+  static W load_w(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static X load_x(const XT* p) { return _mm256_loadu_ps(p); }
+  static Acc madd(Acc a, X x, W w) { return _mm256_fmadd_ps(x, w, a); }
+  static float sum(Acc a) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  }
+};
+#else
+constexpr bool kRoundsActivations = false;
+constexpr const char* kIsa = "portable (bfloat16 widened to float32)";
+using XT = float;
+struct Isa {
+  static constexpr int64_t kStep = 1;
+  using Acc = float;
+  using W = float;
+  using X = float;
+  static Acc zero() { return 0.f; }
+  static W load_w(const uint16_t* p) { return widen(*p); }
+  static X load_x(const XT* p) { return *p; }
+  static Acc madd(Acc a, X x, W w) { return a + x * w; }
+  static float sum(Acc a) { return a; }
+};
+#endif
+
+inline float scalar_x(XT v) {
+  if constexpr (kRoundsActivations) return widen(v);
+  else return v;
+}
+
+// y[m * ldy + n] = x row m . w row n for the tile's RM x RN outputs; x rows ldx apart, w rows K apart
+template <int RM, int RN, bool kStream>
+inline void tile(const XT* x, int64_t ldx, const uint16_t* w, int64_t K, float* y, int64_t ldy) {
+  typename Isa::Acc acc[RM][RN];
+  for (int m = 0; m < RM; ++m)
+    for (int n = 0; n < RN; ++n) acc[m][n] = Isa::zero();
+  int64_t k = 0;
+  for (; k + Isa::kStep <= K; k += Isa::kStep) {
+    typename Isa::W wv[RN];
+    for (int n = 0; n < RN; ++n) {
+      if constexpr (kStream) _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k) + kPrefetch, _MM_HINT_T0);
+      wv[n] = Isa::load_w(w + n * K + k);
+    }
+    for (int m = 0; m < RM; ++m) {
+      const typename Isa::X xv = Isa::load_x(x + m * ldx + k);
+      for (int n = 0; n < RN; ++n) acc[m][n] = Isa::madd(acc[m][n], xv, wv[n]);
+    }
+  }
+  for (int m = 0; m < RM; ++m)
+    for (int n = 0; n < RN; ++n) {
+      float s = Isa::sum(acc[m][n]);
+      for (int64_t j = k; j < K; ++j) s += scalar_x(x[m * ldx + j]) * widen(w[n * K + j]);
+      y[m * ldy + n] = s;
+    }
+}
+
+// the tile of mr <= 4 activation rows x nr <= 4 weight rows, as a compiled tile of those sizes
+template <bool kStream>
+inline void edge(int64_t mr, int64_t nr, const XT* x, int64_t ldx, const uint16_t* w, int64_t K, float* y, int64_t ldy) {
+  using Fn = void (*)(const XT*, int64_t, const uint16_t*, int64_t, float*, int64_t);
+  static constexpr Fn table[4][4] = {
+      {tile<1, 1, kStream>, tile<1, 2, kStream>, tile<1, 3, kStream>, tile<1, 4, kStream>},
+      {tile<2, 1, kStream>, tile<2, 2, kStream>, tile<2, 3, kStream>, tile<2, 4, kStream>},
+      {tile<3, 1, kStream>, tile<3, 2, kStream>, tile<3, 3, kStream>, tile<3, 4, kStream>},
+      {tile<4, 1, kStream>, tile<4, 2, kStream>, tile<4, 3, kStream>, tile<4, 4, kStream>}};
+  table[mr - 1][nr - 1](x, ldx, w, K, y, ldy);
+}
+
+// weight rows n0 .. n1 times activation rows 0 .. M in tiles of 4 x 4. kStream (decode): weight tile outer, read
+// from memory once (prefetched ahead) and kept in L1 while the activation rows pass; else (prefill) activation tile
+// outer, kept in L1 while the block's weight rows pass from L2.
+template <bool kStream>
+inline void rows_times(const XT* x, int64_t M, const uint16_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
+  auto at = [&](int64_t m, int64_t n) {
+    const int64_t mr = std::min<int64_t>(4, M - m), nr = std::min<int64_t>(4, n1 - n);
+    if (mr == 4 && nr == 4) tile<4, 4, kStream>(x + m * K, K, w + n * K, K, y + m * N + n, N);
+    else edge<kStream>(mr, nr, x + m * K, K, w + n * K, K, y + m * N + n, N);
+  };
+  if constexpr (kStream) {
+    for (int64_t n = n0; n < n1; n += 4)
+      for (int64_t m = 0; m < M; m += 4) at(m, n);
+  } else {
+    for (int64_t m = 0; m < M; m += 4)
+      for (int64_t n = n0; n < n1; n += 4) at(m, n);
+  }
+}
+
+// the activations as the products read them: rounded to bfloat16 (AVX512_BF16 builds) into `held`, else x itself
+inline const XT* activations(const float* x, int64_t n, std::vector<XT>& held) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  held.resize(n);
+  XT* out = held.data();
+  at::parallel_for(0, n, 1 << 14, [&](int64_t lo, int64_t hi) {
+    int64_t i = lo;
+    for (; i + 32 <= hi; i += 32) {  // vcvtne2ps2bf16: to nearest even, as round_bf16 (inputs below 2^-126 go to 0)
+      const __m512bh r = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
+      _mm512_storeu_si512(out + i, (__m512i)r);
+    }
+    for (; i < hi; ++i) out[i] = round_bf16(x[i]);
+  });
+  return out;
+#else
+  (void)n, (void)held;
+  return x;
+#endif
+}
+
+// y [M, N] = x [M, K] (float32) @ w [N, K]^T (bfloat16), float32 out; all contiguous
+inline void linear_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor y) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "linear_bf16: x must be float32 [M, K]");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
+              "linear_bf16: w must be bfloat16 [N, K], contiguous, K as x's");
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.numel() == x.size(0) * w.size(0),
+              "linear_bf16: y must be float32 [M, N]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  if (M == 0 || N == 0) return;
+  std::vector<XT> held;
+  const XT* xp = activations(x.data_ptr<float>(), M * K, held);
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  if (M <= kGemvRows) {
+    at::parallel_for(0, (N + 3) / 4, 8, [&](int64_t lo, int64_t hi) {
+      ShareClock clock(std::min(N, 4 * hi) - 4 * lo);
+      rows_times<true>(xp, M, wp, K, N, 4 * lo, std::min(N, 4 * hi), yp);
+    });
+    return;
+  }
+  at::parallel_for(0, (N + kBlockRows - 1) / kBlockRows, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b)
+      rows_times<false>(xp, M, wp, K, N, b * kBlockRows, std::min(N, (b + 1) * kBlockRows), yp);
+  });
+}
+
+}  // namespace bf16
+}  // namespace deltaserve
