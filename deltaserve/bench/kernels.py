@@ -3,7 +3,7 @@
     python -m deltaserve.bench.kernels [--threads N] [--json out.json]
     deltaserve bench kernels
 
-Peaks (ops/csrc/probe.h): float32 FMAs and int8 dot products with 12 independent chains a thread, memory reads
+Peaks (ops/csrc/probe.h): float32 FMAs, int8 and bf16 dot products with 12 independent chains a thread, memory reads
 of a buffer 4x the L3 in 2 MB pages (as a model's weights). Kernels, per weight format, at a 0.8B model's shapes:
 the decode GEMV (one row of activations, weights streamed from memory: GB/s against the read peak) and the
 prefill GEMM (256 rows: GOP/s against the int8 or FMA peak); torch's float32 GEMM, the prefill of files without
@@ -68,11 +68,12 @@ def _thread_rate(calls, row_bytes: float) -> float | None:
 
 
 def peaks() -> dict:
-    """float32 FMA GFLOP/s, int8 dot-product GOP/s and memory read GB/s on all of torch's threads (each thread's
-    fastest round, added up: see ops/csrc/probe.h)."""
+    """float32 FMA GFLOP/s, int8 dot-product GOP/s, bf16 dot-product GFLOP/s and memory read GB/s on all of torch's
+    threads (each thread's fastest round, added up: see ops/csrc/probe.h)."""
     ext = fused.extension()
     buf = weight_empty((128 << 20,), torch.uint8).fill_(1)  # 4x a 32 MB L3, in 2 MB pages as the weights are
     return {"fma_gflops": ext.probe_fma(20_000, 200) / 1e9, "int8_gops": ext.probe_int8(20_000, 200) / 1e9,
+            "bf16_gflops": ext.probe_bf16(20_000, 200) / 1e9,
             "read_gbps": ext.probe_read(buf, 4 * 128 // torch.get_num_threads()) / 1e9}
 
 
@@ -106,6 +107,7 @@ def kernel_rates() -> list[dict]:
                          rate=2 * M * N * _HIDDEN / t / 1e9, unit="GOP/s", peak="int8_gops"))
     if ext.q8_int8():
         rows += _q8_rates(ext, M, N)
+    rows += _bf16_rates(ext, M, N)
     a, b = torch.randn(M, _HIDDEN), torch.randn(N, _HIDDEN)
     t = _best(lambda: torch.mm(a, b.T))
     rows.append(dict(kernel="torch.mm prefill", format="F32", shape=f"{M}x{N}x{_HIDDEN}", seconds=t,
@@ -145,6 +147,25 @@ def _q8_rates(ext, M: int, N: int) -> list[dict]:
     return out
 
 
+def _bf16_rates(ext, M: int, N: int) -> list[dict]:
+    """The bfloat16 kernels (ops/csrc/bf16.h) at the same shapes: GEMM against the bf16 dot-product peak (vdpbf16ps,
+    or the FMA peak where the build widens the weights instead)."""
+    def matrix(rows: int, seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return weight_empty((rows, _HIDDEN), torch.bfloat16).copy_(torch.randn(rows, _HIDDEN, generator=g) * 0.05)
+
+    mats = [matrix(_ROWS, i) for i in range(max(1, (128 << 20) // (_ROWS * _HIDDEN * 2)))]
+    x, y = torch.randn(1, _HIDDEN), torch.empty(1, _ROWS)
+    t = _fastest_of([lambda w=w: ext.linear_bf16(x, w, y) for w in mats * 3])
+    shares = _thread_rate([lambda w=w: ext.linear_bf16_shares(x, w, y) for w in mats * 3], 2 * _HIDDEN)
+    out = [_decode_row("linear_bf16 decode", "BF16", t, mats[0].nbytes, shares)]
+    w, xs, ys = matrix(N, 0), torch.randn(M, _HIDDEN), torch.empty(M, N)
+    t = _best(lambda: ext.linear_bf16(xs, w, ys))
+    out.append(dict(kernel="linear_bf16 prefill", format="BF16", shape=f"{M}x{N}x{_HIDDEN}", seconds=t,
+                    rate=2 * M * N * _HIDDEN / t / 1e9, unit="GFLOP/s", peak="bf16_gflops"))
+    return out
+
+
 def report(threads: int) -> dict:
     torch.set_num_threads(threads)
     return {"threads": threads, "isa": fused.extension().int8_isa(), "peaks": peaks(), "kernels": kernel_rates()}
@@ -154,7 +175,7 @@ def format_report(r: dict) -> str:
     p = r["peaks"]
     lines = [f"kernels ({r['threads']} threads; integer kernels: {r['isa']})",
              f"  peaks measured now: float32 FMA {p['fma_gflops']:,.0f} GFLOP/s, int8 dot {p['int8_gops']:,.0f} GOP/s, "
-             f"memory read {p['read_gbps']:,.1f} GB/s"]
+             f"bf16 dot {p['bf16_gflops']:,.0f} GFLOP/s, memory read {p['read_gbps']:,.1f} GB/s"]
     for k in r["kernels"]:
         wall = k.get("wall_rate")
         beside = f"  (whole calls: {wall:,.1f}, {wall / p[k['peak']]:.0%})" if wall and wall != k["rate"] else ""

@@ -22,6 +22,18 @@ _ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16"
 WEIGHT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _data_offsets(path: Path) -> tuple[int, dict[str, int]]:
+    """Where a safetensors file's data begins, and each tensor's first byte from there (safetensors checked the
+    header when the file was opened: 8 bytes of length, then JSON of each tensor's data_offsets)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return 8 + size, {n: int(v["data_offsets"][0]) for n, v in header.items() if n != "__metadata__"}
+
+
 def _read_json(path: Path, what: str) -> dict:
     if not path.is_file():
         raise ModelLoadError(path, f"{what} not found")
@@ -58,6 +70,10 @@ class SafetensorsCheckpoint:
             info = f.get_slice(name)
             self._where[name] = shard
             self._info[name] = (tuple(int(n) for n in info.get_shape()), info.get_dtype())
+        self._data_start, self._offsets = {}, {}  # where each shard's data begins; each tensor's offset in it
+        for shard in self._files:
+            self._data_start[shard], offsets = _data_offsets(self.path / shard)
+            self._offsets.update({n: offsets[n] for n, s in self._where.items() if s == shard})
 
     def _weight_map(self) -> dict[str, str]:
         """Tensor name -> file name inside the directory."""
@@ -120,12 +136,31 @@ class SafetensorsCheckpoint:
         if stored not in WEIGHT_DTYPES:
             raise ModelLoadError(self.path, f"stored as {stored}; weights are read from {', '.join(WEIGHT_DTYPES)} "
                                  "only (quantised checkpoints are not supported)", tensor=name)
-        shard = self._where[name]
-        try:
-            tensor = self._files[shard].get_tensor(name)
-        except SafetensorError as e:
-            raise ModelLoadError(self.path / shard, f"cannot read tensor: {e}", tensor=name) from None
-        return tensor.to(device=device, dtype=dtype).contiguous()
+        return self._read(name, 0, found[0] if found else 1).reshape(found).to(device=device, dtype=dtype)
+
+    def load_rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Rows start:end of a tensor [R, C] as a new float32 tensor: a large embedding read this way never exists
+        whole, in the file's dtype or in float32."""
+        (_, C), stored = self._lookup(name)
+        if stored not in WEIGHT_DTYPES:
+            raise ModelLoadError(self.path, f"stored as {stored}; weights are read from {', '.join(WEIGHT_DTYPES)} "
+                                 "only", tensor=name)
+        return self._read(name, start, end).view(-1, C).float()
+
+    def _read(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Rows start:end (along the first axis) of tensor `name`, flat in its stored dtype, read with plain file
+        reads: the file is never mapped into this process, so its pages never count in its memory (a mapped
+        checkpoint's would, on top of the weights made from it)."""
+        shard, (shape, stored) = self._where[name], self._info[name]
+        start, end = max(0, start), min(shape[0] if shape else 1, end)
+        row = math.prod(shape[1:]) * _ITEM_BYTES[stored]
+        begin = self._data_start[shard] + self._offsets[name] + start * row
+        out = torch.empty(max(0, end - start) * row, dtype=torch.uint8)
+        with open(self.path / shard, "rb") as f:
+            f.seek(begin)
+            if f.readinto(out.numpy()) != out.numel():
+                raise ModelLoadError(self.path / shard, "the file ends inside the tensor", tensor=name)
+        return out.view(_TORCH_DTYPES[stored])
 
     def same_values(self, a: str, b: str, rows: int = 4096) -> bool:
         """Whether tensors a and b hold the same shape and values, compared a block of rows at a time (an
@@ -134,8 +169,7 @@ class SafetensorsCheckpoint:
             return False
         if not self.shape(a):
             return torch.equal(self.load(a), self.load(b))
-        first, second = (self._files[self._where[n]].get_slice(n) for n in (a, b))
-        return all(torch.equal(first[r:r + rows].float(), second[r:r + rows].float())
+        return all(torch.equal(self._read(a, r, r + rows).float(), self._read(b, r, r + rows).float())
                    for r in range(0, self.shape(a)[0], rows))
 
     def progress(self, names: Iterable[str], desc: str = "loading weights") -> Iterator[str]:

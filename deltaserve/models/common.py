@@ -86,7 +86,8 @@ def _file_form(p, ckpt, fmt: str, matmul: bool, device, part=None) -> torch.Tens
     """Parameter `p` kept as the file stores it, where linear() reads that form (`matmul`): the file's GGML blocks
     (models/packed.py) where the kernels read their types, else Q8_0 (int8 + scales) where the values are
     exactly that; float16 where that is exact, or where the file holds it in a quantisation coarser than Q8_0
-    (a rounding far below the quantisation's own; a Q8_0 file's values never change); else float32.
+    (a rounding far below the quantisation's own; a Q8_0 file's values never change); else bfloat16 where that
+    is exact (a BF16 tensor), else float32.
     part: as build's; its share is taken of the packed blocks, or of the values before they are stored."""
     layout = chosen(getattr(p, fmt), ckpt.has) if getattr(p, fmt) is not None else None
     typed = layout is not None and hasattr(ckpt, "qtype")
@@ -103,7 +104,7 @@ def _file_form(p, ckpt, fmt: str, matmul: bool, device, part=None) -> torch.Tens
     if w is not None:
         return w
     coarse = typed and all(ckpt.qtype(n) not in _EXACT_TYPES for n in names(layout))
-    return _store(t, torch.float16 if coarse or _fits(t, torch.float16) else torch.float32, device)
+    return _store(t, torch.float16 if coarse or _fits(t, torch.float16) else _narrowest(t), device)
 
 
 _EXACT_TYPES = {Q.F32, Q.F16, Q.BF16, Q.F64, Q.Q8_0}  # tensors of these types keep their values exactly

@@ -21,6 +21,7 @@ def test_probes_give_rates_this_cpu_can_reach():
     ceiling = 64 * 6e9 * torch.get_num_threads()
     assert 1e9 < ext.probe_fma(10_000, 5) < ceiling
     assert 1e9 < ext.probe_int8(10_000, 5) < 8 * ceiling
+    assert 1e9 < ext.probe_bf16(10_000, 5) < 2 * ceiling  # vdpbf16ps: 32 products a vector, float32 FMAs' 16
     assert 1e8 < ext.probe_read(torch.ones(1 << 20, dtype=torch.uint8), 3) < 1e13
     with pytest.raises(RuntimeError, match="whole 256s"):
         ext.probe_read(torch.ones(300, dtype=torch.uint8), 1)
@@ -35,7 +36,7 @@ def test_bench_kernels_reports_rates_within_the_measured_peaks(tmp_path):
     r = json.loads(out.read_text())
     q8 = {"Q8_0"} if fused.extension().q8_int8() else set()
     iq4 = {"IQ4_XS"} if Q.IQ4_XS in packed.int8_types() else set()
-    assert {k["format"] for k in r["kernels"]} == {"Q4_K", "Q5_K", "Q6_K", "F32"} | q8 | iq4
+    assert {k["format"] for k in r["kernels"]} == {"Q4_K", "Q5_K", "Q6_K", "F32", "BF16"} | q8 | iq4
     for k in r["kernels"]:
         # a kernel never beats the machine: a rate well above its peak means the probe (or the count) is wrong
         assert 0 < k["rate"] <= 1.25 * r["peaks"][k["peak"]], k
