@@ -93,7 +93,7 @@ def _kernels(model) -> str:
     from deltaserve.models import packed
     from deltaserve.models.layers import q8_int8
 
-    names = {"uint8": "linear_packed", "int8": "linear_q8", "float16": "linear_f16"}
+    names = {"uint8": "linear_packed", "int8": "linear_q8", "float16": "linear_f16", "bfloat16": "linear_bf16"}
     mb, types = {}, {}
     for w in _matmul_weights(model):
         kernel = names.get(str(w.dtype).removeprefix("torch."), f"torch ({str(w.dtype).removeprefix('torch.')})")
@@ -174,7 +174,8 @@ def _worker_llama(args) -> dict:
 
 
 def _run_worker(engine: str, args) -> dict:
-    cmd = [sys.executable, "-m", "deltaserve.bench.compare", args.model, "--worker", engine, "--threads",
+    model = args.peer_model if engine == "llama.cpp" and args.peer_model else args.model
+    cmd = [sys.executable, "-m", "deltaserve.bench.compare", model, "--worker", engine, "--threads",
            str(args.threads), "--batch", str(args.batch), "--decode", str(args.decode), "--dtype", args.dtype,
            "--cache-mb", str(args.cache_mb),
            "--prefill", *map(str, args.prefill)]
@@ -188,7 +189,9 @@ def _run_worker(engine: str, args) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(prog="deltaserve bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help="a GGUF file")
+    p.add_argument("model", help="a GGUF file (or a Hugging Face directory, with --peer-model)")
+    p.add_argument("--peer-model", help="the GGUF file llama.cpp runs where `model` is a Hugging Face directory of "
+                                        "the same weights (default: model itself)")
     p.add_argument("--against", choices=["llama.cpp", "none"], default="llama.cpp", help="peer (default llama.cpp)")
     p.add_argument("--reps", type=int, help="repetitions per engine, alternating (default 3; 1 with --prompt)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for both engines (default: all)")
