@@ -156,11 +156,11 @@ def _bf16_rates(ext, M: int, N: int) -> list[dict]:
 
     mats = [matrix(_ROWS, i) for i in range(max(1, (128 << 20) // (_ROWS * _HIDDEN * 2)))]
     x, y = torch.randn(1, _HIDDEN), torch.empty(1, _ROWS)
-    t = _fastest_of([lambda w=w: ext.linear_bf16(x, w, y) for w in mats * 3])
-    shares = _thread_rate([lambda w=w: ext.linear_bf16_shares(x, w, y) for w in mats * 3], 2 * _HIDDEN)
+    t = _fastest_of([lambda w=w: ext.linear_bf16(x, w, y, True) for w in mats * 3])
+    shares = _thread_rate([lambda w=w: ext.linear_bf16_shares(x, w, y, True) for w in mats * 3], 2 * _HIDDEN)
     out = [_decode_row("linear_bf16 decode", "BF16", t, mats[0].nbytes, shares)]
     w, xs, ys = matrix(N, 0), torch.randn(M, _HIDDEN), torch.empty(M, N)
-    t = _best(lambda: ext.linear_bf16(xs, w, ys))
+    t = _best(lambda: ext.linear_bf16(xs, w, ys, True))
     out.append(dict(kernel="linear_bf16 prefill", format="BF16", shape=f"{M}x{N}x{_HIDDEN}", seconds=t,
                     rate=2 * M * N * _HIDDEN / t / 1e9, unit="GFLOP/s", peak="bf16_gflops"))
     return out

@@ -24,6 +24,9 @@ Q8_BLOCK = 32  # weights per scale in a Q8_0 row
 # Q8_0 weights multiply activations rounded per 32 to Q8_0, as llama.cpp does on these files (its speed and its
 # rounding; ops/csrc/int8q8.h), where this CPU has the instructions. False: float32 activations (exact weights).
 Q8_INT8_ACTIVATIONS = True
+# bfloat16 weights multiply activations rounded to bfloat16 (vdpbf16ps), as llama.cpp and transformers do beside
+# them, where this CPU has AVX512_BF16 (ops/csrc/bf16.h). False: float32 activations (exact weights), slower.
+BF16_ROUNDED_ACTIVATIONS = True
 _DEQUANT_BYTES = 4 << 20  # a GEMM on a float16 / Q8_0 weight widens this much of it at a time
 
 
@@ -66,8 +69,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def bf16_kernel(x: torch.Tensor) -> bool:
-    """Whether linear() multiplies bfloat16 weights by activations x in ops/csrc/bf16.h: float32 on CPU. (Where the
-    build has AVX512_BF16 it rounds x to bfloat16 there, as llama.cpp and transformers do beside bf16 weights.)"""
+    """Whether linear() multiplies bfloat16 weights by activations x in ops/csrc/bf16.h: float32 on CPU (rounded to
+    bfloat16 there where BF16_ROUNDED_ACTIVATIONS and the build has AVX512_BF16)."""
     return x.dtype == torch.float32 and x.device.type == "cpu" and fused.available()
 
 
@@ -75,7 +78,7 @@ def _linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """x [..., K] float32 @ weight [N, K] bfloat16 ^T (+ bias): decode and prefill in one kernel (bf16.h)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     y = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
-    fused.extension().linear_bf16(rows, weight.contiguous(), y)
+    fused.extension().linear_bf16(rows, weight.contiguous(), y, BF16_ROUNDED_ACTIVATIONS)
     y = y.view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias.to(y.dtype)
 

@@ -115,12 +115,13 @@ def check_quantised(rank: int, path: str, port: int, int8: bool) -> None:
     weights, the same kernels on the same blocks; the shards differ from one process only by float32 sums
     in another order, bound as float files' but 10x wider: these files' single float32 process is itself
     3-5e-4 from float64 (their prefill sums dequantised blocks in GEMMs), the shards measured 5e-5 from it.
-    int8=True (the default, llama.cpp's rounding of activations: Q8_K for K-quants, Q8_0 for Q8_0): one ulp of difference in an
-    activation can move its int8 rounding by a step, and a step moves logits by up to 0.3 (measured: one ulp
+    int8=True (the default, llama.cpp's rounding of activations: Q8_K for K-quants, Q8_0 for Q8_0, bfloat16 for BF16
+    where the CPU has AVX512_BF16): one ulp of difference in an activation can move its rounding by a step, and a step moves logits by up to 0.3 (measured: one ulp
     of noise on one norm weight of one process); bound by half of what rounding every activation does
     (int8 against float activations in one process), and no greedy comparison."""
     setup(rank, 2, port)
-    packed.INT8_ACTIVATIONS = layers.Q8_INT8_ACTIVATIONS = int8  # K-quant and Q8_0 files' activation rounding
+    # K-quant, Q8_0 and BF16 files' activation rounding
+    packed.INT8_ACTIVATIONS = layers.Q8_INT8_ACTIVATIONS = layers.BF16_ROUNDED_ACTIVATIONS = int8
     loaded = join(path, tp=2, timeout_s=60)
     if rank != 0:
         return
@@ -134,7 +135,7 @@ def check_quantised(rank: int, path: str, port: int, int8: bool) -> None:
         return [runner.forward([2, 0], step, "all" if i == 0 else "last") for i, step in enumerate(steps)]
     got, want = run(shards), run(ref)
     if int8:
-        packed.INT8_ACTIVATIONS = layers.Q8_INT8_ACTIVATIONS = False
+        packed.INT8_ACTIVATIONS = layers.Q8_INT8_ACTIVATIONS = layers.BF16_ROUNDED_ACTIVATIONS = False
         rounding = max(float((a - b).abs().max()) for a, b in zip(want, run(ref)))
         worst = max(float((a - b).abs().max()) for a, b in zip(got, want))
         assert worst <= rounding / 2, (worst, rounding)

@@ -105,9 +105,14 @@ K4 = ("qwen35moe", "tiny256", dict(linear_k_heads=4, linear_v_heads=4, linear_v_
 Q40 = ("qwen35", "tiny", dict(linear_k_heads=2, linear_v_heads=4, linear_v_dim=64, intermediate_size=192), "Q4_0")
 
 
-@pytest.mark.parametrize("spec, int8", [(Q8, False), (Q8, True), (K4, False), (K4, True), (Q40, False)],
+BF16 = ("qwen35moe", "tiny", dict(linear_k_heads=2, linear_v_heads=4, linear_v_dim=64,
+                                   shared_expert_intermediate_size=128), "BF16")
+
+
+@pytest.mark.parametrize("spec, int8", [(Q8, False), (Q8, True), (K4, False), (K4, True), (Q40, False), (BF16, False),
+                                        (BF16, True)],
                          ids=["Q8_0", "Q8_0-int8-activations", "Q4_K_M-float-activations", "Q4_K_M-int8-activations",
-                              "Q4_0-tiled"])
+                              "Q4_0-tiled", "BF16-float-activations", "BF16-bf16-activations"])
 def test_quantised_shards_match_one_process(spec, int8, quantised):
     mp.spawn(ranks.check_quantised, args=(str(quantised(*spec)), _port(), int8), nprocs=2)
 
@@ -134,3 +139,13 @@ def test_shards_keep_the_files_blocks(quantised):
         held += sum(w.nbytes for w in model.parameters() if packed.is_packed(w))
         assert packed.is_packed(model.layers[0].ffn.experts.down) and model.layers[0].ffn.experts.first == 2 * rank
     assert held == file_bytes + pad
+
+
+def test_bf16_shares_stay_bfloat16(quantised):
+    """A BF16 file's rank shares (rows, columns, experts, the padded vocabulary) keep its matrices in bfloat16."""
+    path = quantised(*BF16)
+    for rank in range(2):
+        model = load_model(open_checkpoint(path), part=TensorPart(rank, 2))
+        layer = model.layers[0]
+        assert {w.dtype for w in (model.embed.weight, layer.mixer.in_proj.weight, layer.mixer.out_proj.weight,
+                                  layer.ffn.experts.gate_up, layer.ffn.experts.down)} == {torch.bfloat16}

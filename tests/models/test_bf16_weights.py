@@ -84,6 +84,22 @@ def test_logits_match_llama_cpp_on_the_bf16_file(engines):
         ids = ids + [int(theirs.argmax())]
 
 
+def test_float32_activations_match_llama_cpp_float32_run(engines, monkeypatch):
+    """BF16_ROUNDED_ACTIVATIONS = False: the file's exact weights times float32 activations, llama.cpp's F32 file's
+    arithmetic (held as its F16 file's test is, tests/models/test_llama_cpp_parity.py), prefill and decode."""
+    from deltaserve.models import layers
+    from tests.models.test_llama_cpp_parity import PROMPT, llama_last_logits, rel_diff
+
+    monkeypatch.setattr(layers, "BF16_ROUNDED_ACTIVATIONS", False)
+    ours, _, _, ref32 = engines
+    ids = ours.tokenizer.encode(PROMPT)
+    for step in range(4):
+        mine = ours.score(ids)[-1] if step == 0 else ours.runner.forward([0], [[ids[-1]]])[0]
+        theirs = llama_last_logits(ref32, ids)
+        assert rel_diff(mine.double().numpy(), theirs) < 1e-3, step
+        ids = ids + [int(theirs.argmax())]
+
+
 def test_decode_plan_takes_bfloat16_weights(engines):
     from deltaserve.models.qwen import plan
 

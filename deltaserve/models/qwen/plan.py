@@ -50,7 +50,8 @@ def _plan(model, layers: range):
     """The model's plan for `layers` (built at first use), or None where some layer is not the plan's case. The
     switches of the activations' rounding are part of the key: a plan holds the kernels they chose."""
     plans = model.__dict__.setdefault("_decode_plans", {})
-    key = (layers.start, layers.stop, packed.INT8_ACTIVATIONS, layer_ops.Q8_INT8_ACTIVATIONS)
+    key = (layers.start, layers.stop, packed.INT8_ACTIVATIONS, layer_ops.Q8_INT8_ACTIVATIONS,
+           layer_ops.BF16_ROUNDED_ACTIVATIONS)
     if key not in plans:
         plans[key] = _build(model, layers)
     return plans[key]
@@ -91,7 +92,7 @@ def _linear(ext, module):
     N, K = w.shape
     if w.dtype == torch.int8 and q8_int8(torch.empty(0, K)):
         return ext.LinearRef(1, w, w.scale, _NONE.long(), N, K)
-    kinds = {torch.float16: 2, torch.float32: 3, torch.bfloat16: 5}
+    kinds = {torch.float16: 2, torch.float32: 3, torch.bfloat16: 5 if layer_ops.BF16_ROUNDED_ACTIVATIONS else 6}
     if w.dtype in kinds and w.is_contiguous():
         return ext.LinearRef(kinds[w.dtype], w, _NONE, _NONE.long(), N, K)
     return None

@@ -1,9 +1,10 @@
 // Float32 activations times bfloat16 weights [N, K] (a BF16 GGUF's or a bf16 Hugging Face checkpoint's matrices, kept
-// as the file holds them). Where the build has AVX512_BF16, the activations are rounded to bfloat16 (to nearest,
+// as the file holds them). Where the build has AVX512_BF16 the activations are rounded to bfloat16 (to nearest,
 // ties to even), as llama.cpp and transformers do beside bf16 weights, and vdpbf16ps multiplies pairs of them
-// (products exact in float32, sums in float32). Elsewhere the weights are widened to float32 in registers (a
-// bfloat16 is a float32's upper half: a 16-bit shift) and multiplied by the float32 activations with FMAs:
-// AVX-512, AVX2, or portable C++. The build's macros choose, as in the other headers.
+// (products exact in float32, sums in float32); the caller may ask for float32 activations instead (exact weights
+// times unrounded activations, slower). Those, and every build without AVX512_BF16, widen the weights to float32 in
+// registers (a bfloat16 is a float32's upper half: a 16-bit shift) and multiply with FMAs: AVX-512, AVX2, or
+// portable C++. The build's macros choose the instructions, as in the other headers.
 //
 // Both products work on tiles of RM activation rows x RN weight rows, each output a dot product along K kept in
 // one vector accumulator (lanes = consecutive k), summed across lanes at the tile's end: no weight is rearranged,
@@ -20,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "shares.h"
@@ -38,11 +40,13 @@ inline float widen(uint16_t b) {
   return f;
 }
 
-// float32 -> bfloat16 bits, to nearest, ties to even (NaN kept a quiet NaN)
+// float32 -> bfloat16 bits, to nearest, ties to even, as vcvtne2ps2bf16 rounds: NaN kept a quiet NaN, inputs below
+// 2^-126 taken as (signed) zero
 inline uint16_t round_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  if ((u & 0x7f800000u) == 0) return static_cast<uint16_t>((u >> 16) & 0x8000);
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
@@ -63,13 +67,13 @@ inline void sum4_512(const __m512* a, float* out) {
 }
 #endif
 
-// The ISA: Acc a vector of float32 partial sums; a step multiplies kStep consecutive k of one activation row (X) by
-// one weight row; XT is how the activations are held (bfloat16 bits for vdpbf16ps, else float32).
+// The products' instructions: Acc a vector of float32 partial sums; a step multiplies kStep consecutive k of one
+// activation row (X) by one weight row; XT is how the activations are held (bfloat16 bits for vdpbf16ps, else
+// float32). Dot rounds the activations (AVX512_BF16 builds only); Widen keeps them float32 (every build).
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-constexpr bool kRoundsActivations = true;
-constexpr const char* kIsa = "AVX512_BF16 (vdpbf16ps, activations rounded to bfloat16)";
-using XT = uint16_t;
-struct Isa {
+constexpr bool kDpbf16 = true;
+struct Dot {
+  using XT = uint16_t;
   static constexpr int64_t kStep = 32;
   using Acc = __m512;
   using W = __m512i;
@@ -80,12 +84,16 @@ struct Isa {
   static Acc madd(Acc a, X x, W w) { return _mm512_dpbf16_ps(a, (__m512bh)x, (__m512bh)w); }
   static float sum(Acc a) { return _mm512_reduce_add_ps(a); }
   static void sum4(const Acc* a, float* out) { sum4_512(a, out); }
+  static float scalar_x(XT v) { return widen(v); }
 };
-#elif defined(__AVX512F__)
-constexpr bool kRoundsActivations = false;
-constexpr const char* kIsa = "AVX-512 (bfloat16 widened to float32, FMA)";
-using XT = float;
-struct Isa {
+#else
+constexpr bool kDpbf16 = false;
+#endif
+
+#if defined(__AVX512F__)
+constexpr const char* kWiden = "AVX-512 (bfloat16 widened to float32, FMA)";
+struct Widen {
+  using XT = float;
   static constexpr int64_t kStep = 16;
   using Acc = __m512;
   using W = __m512;
@@ -99,12 +107,12 @@ struct Isa {
   static Acc madd(Acc a, X x, W w) { return _mm512_fmadd_ps(x, w, a); }
   static float sum(Acc a) { return _mm512_reduce_add_ps(a); }
   static void sum4(const Acc* a, float* out) { sum4_512(a, out); }
+  static float scalar_x(XT v) { return v; }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr bool kRoundsActivations = false;
-constexpr const char* kIsa = "AVX2 (bfloat16 widened to float32, FMA)";
-using XT = float;
-struct Isa {
+constexpr const char* kWiden = "AVX2 (bfloat16 widened to float32, FMA)";
+struct Widen {
+  using XT = float;
   static constexpr int64_t kStep = 8;
   using Acc = __m256;
   using W = __m256;
@@ -122,12 +130,12 @@ struct Isa {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
   }
   static void sum4(const Acc* a, float* out) { sum4_256(a, out); }
+  static float scalar_x(XT v) { return v; }
 };
 #else
-constexpr bool kRoundsActivations = false;
-constexpr const char* kIsa = "portable (bfloat16 widened to float32)";
-using XT = float;
-struct Isa {
+constexpr const char* kWiden = "portable (bfloat16 widened to float32)";
+struct Widen {
+  using XT = float;
   static constexpr int64_t kStep = 1;
   using Acc = float;
   using W = float;
@@ -138,67 +146,72 @@ struct Isa {
   static Acc madd(Acc a, X x, W w) { return a + x * w; }
   static float sum(Acc a) { return a; }
   static void sum4(const Acc* a, float* out) { std::copy(a, a + 4, out); }
+  static float scalar_x(XT v) { return v; }
 };
 #endif
 
-inline float scalar_x(XT v) {
-  if constexpr (kRoundsActivations) return widen(v);
-  else return v;
+// what this build runs: with rounded activations first where it can
+inline std::string isa() {
+  return kDpbf16 ? std::string("AVX512_BF16 (vdpbf16ps on activations rounded to bfloat16; float32 activations: ") +
+                       kWiden + ")"
+                 : std::string(kWiden);
 }
 
 // y[m * ldy + n] = x row m . w row n for the tile's RM x RN outputs; x rows ldx apart, w rows K apart
-template <int RM, int RN, bool kStream>
-inline void tile(const XT* x, int64_t ldx, const uint16_t* w, int64_t K, float* y, int64_t ldy) {
-  typename Isa::Acc acc[RM][RN];
+template <class I, int RM, int RN, bool kStream>
+inline void tile(const typename I::XT* x, int64_t ldx, const uint16_t* w, int64_t K, float* y, int64_t ldy) {
+  typename I::Acc acc[RM][RN];
   for (int m = 0; m < RM; ++m)
-    for (int n = 0; n < RN; ++n) acc[m][n] = Isa::zero();
+    for (int n = 0; n < RN; ++n) acc[m][n] = I::zero();
   int64_t k = 0;
-  for (; k + Isa::kStep <= K; k += Isa::kStep) {
-    typename Isa::W wv[RN];
+  for (; k + I::kStep <= K; k += I::kStep) {
+    typename I::W wv[RN];
     for (int n = 0; n < RN; ++n) {
       if constexpr (kStream) _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k) + kPrefetch, _MM_HINT_T0);
-      wv[n] = Isa::load_w(w + n * K + k);
+      wv[n] = I::load_w(w + n * K + k);
     }
     for (int m = 0; m < RM; ++m) {
-      const typename Isa::X xv = Isa::load_x(x + m * ldx + k);
-      for (int n = 0; n < RN; ++n) acc[m][n] = Isa::madd(acc[m][n], xv, wv[n]);
+      const typename I::X xv = I::load_x(x + m * ldx + k);
+      for (int n = 0; n < RN; ++n) acc[m][n] = I::madd(acc[m][n], xv, wv[n]);
     }
   }
   for (int m = 0; m < RM; ++m) {
     float s[RN];
     if constexpr (RN == 4) {
-      Isa::sum4(acc[m], s);
+      I::sum4(acc[m], s);
     } else {
-      for (int n = 0; n < RN; ++n) s[n] = Isa::sum(acc[m][n]);
+      for (int n = 0; n < RN; ++n) s[n] = I::sum(acc[m][n]);
     }
     for (int n = 0; n < RN; ++n) {
-      for (int64_t j = k; j < K; ++j) s[n] += scalar_x(x[m * ldx + j]) * widen(w[n * K + j]);
+      for (int64_t j = k; j < K; ++j) s[n] += I::scalar_x(x[m * ldx + j]) * widen(w[n * K + j]);
       y[m * ldy + n] = s[n];
     }
   }
 }
 
 // the tile of mr <= 4 activation rows x nr <= 4 weight rows, as a compiled tile of those sizes
-template <bool kStream>
-inline void edge(int64_t mr, int64_t nr, const XT* x, int64_t ldx, const uint16_t* w, int64_t K, float* y, int64_t ldy) {
-  using Fn = void (*)(const XT*, int64_t, const uint16_t*, int64_t, float*, int64_t);
+template <class I, bool kStream>
+inline void edge(int64_t mr, int64_t nr, const typename I::XT* x, int64_t ldx, const uint16_t* w, int64_t K, float* y,
+                 int64_t ldy) {
+  using Fn = void (*)(const typename I::XT*, int64_t, const uint16_t*, int64_t, float*, int64_t);
   static constexpr Fn table[4][4] = {
-      {tile<1, 1, kStream>, tile<1, 2, kStream>, tile<1, 3, kStream>, tile<1, 4, kStream>},
-      {tile<2, 1, kStream>, tile<2, 2, kStream>, tile<2, 3, kStream>, tile<2, 4, kStream>},
-      {tile<3, 1, kStream>, tile<3, 2, kStream>, tile<3, 3, kStream>, tile<3, 4, kStream>},
-      {tile<4, 1, kStream>, tile<4, 2, kStream>, tile<4, 3, kStream>, tile<4, 4, kStream>}};
+      {tile<I, 1, 1, kStream>, tile<I, 1, 2, kStream>, tile<I, 1, 3, kStream>, tile<I, 1, 4, kStream>},
+      {tile<I, 2, 1, kStream>, tile<I, 2, 2, kStream>, tile<I, 2, 3, kStream>, tile<I, 2, 4, kStream>},
+      {tile<I, 3, 1, kStream>, tile<I, 3, 2, kStream>, tile<I, 3, 3, kStream>, tile<I, 3, 4, kStream>},
+      {tile<I, 4, 1, kStream>, tile<I, 4, 2, kStream>, tile<I, 4, 3, kStream>, tile<I, 4, 4, kStream>}};
   table[mr - 1][nr - 1](x, ldx, w, K, y, ldy);
 }
 
 // weight rows n0 .. n1 times activation rows 0 .. M in tiles of 4 x 4. kStream (decode): weight tile outer, read
 // from memory once (prefetched ahead) and kept in L1 while the activation rows pass; else (prefill) activation tile
 // outer, kept in L1 while the block's weight rows pass from L2.
-template <bool kStream>
-inline void rows_times(const XT* x, int64_t M, const uint16_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
+template <class I, bool kStream>
+inline void rows_times(const typename I::XT* x, int64_t M, const uint16_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1,
+                       float* y) {
   auto at = [&](int64_t m, int64_t n) {
     const int64_t mr = std::min<int64_t>(4, M - m), nr = std::min<int64_t>(4, n1 - n);
-    if (mr == 4 && nr == 4) tile<4, 4, kStream>(x + m * K, K, w + n * K, K, y + m * N + n, N);
-    else edge<kStream>(mr, nr, x + m * K, K, w + n * K, K, y + m * N + n, N);
+    if (mr == 4 && nr == 4) tile<I, 4, 4, kStream>(x + m * K, K, w + n * K, K, y + m * N + n, N);
+    else edge<I, kStream>(mr, nr, x + m * K, K, w + n * K, K, y + m * N + n, N);
   };
   if constexpr (kStream) {
     for (int64_t n = n0; n < n1; n += 4)
@@ -209,28 +222,42 @@ inline void rows_times(const XT* x, int64_t M, const uint16_t* w, int64_t K, int
   }
 }
 
-// the activations as the products read them: rounded to bfloat16 (AVX512_BF16 builds) into `held`, else x itself
-inline const XT* activations(const float* x, int64_t n, std::vector<XT>& held) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// x [n] rounded to bfloat16 into `held`
+inline const uint16_t* rounded(const float* x, int64_t n, std::vector<uint16_t>& held) {
   held.resize(n);
-  XT* out = held.data();
+  uint16_t* out = held.data();
   at::parallel_for(0, n, 1 << 14, [&](int64_t lo, int64_t hi) {
     int64_t i = lo;
-    for (; i + 32 <= hi; i += 32) {  // vcvtne2ps2bf16: to nearest even, as round_bf16 (inputs below 2^-126 go to 0)
+    for (; i + 32 <= hi; i += 32) {  // vcvtne2ps2bf16: as round_bf16
       const __m512bh r = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
       _mm512_storeu_si512(out + i, (__m512i)r);
     }
     for (; i < hi; ++i) out[i] = round_bf16(x[i]);
   });
   return out;
-#else
-  (void)n, (void)held;
-  return x;
+}
 #endif
+
+// y [M, N] = x [M, K] (as I holds it) @ w [N, K]^T: decode (M <= kGemvRows) or prefill driver
+template <class I>
+inline void product(const typename I::XT* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t N, float* yp) {
+  if (M <= kGemvRows) {
+    at::parallel_for(0, (N + 3) / 4, 8, [&](int64_t lo, int64_t hi) {
+      ShareClock clock(std::min(N, 4 * hi) - 4 * lo);
+      rows_times<I, true>(xp, M, wp, K, N, 4 * lo, std::min(N, 4 * hi), yp);
+    });
+    return;
+  }
+  at::parallel_for(0, (N + kBlockRows - 1) / kBlockRows, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b)
+      rows_times<I, false>(xp, M, wp, K, N, b * kBlockRows, std::min(N, (b + 1) * kBlockRows), yp);
+  });
 }
 
-// y [M, N] = x [M, K] (float32) @ w [N, K]^T (bfloat16), float32 out; all contiguous
-inline void linear_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor y) {
+// y [M, N] = x [M, K] (float32) @ w [N, K]^T (bfloat16), float32 out; all contiguous. round: x rounded to bfloat16
+// and vdpbf16ps, where the build has AVX512_BF16 (elsewhere float32 activations regardless)
+inline void linear_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor y, bool round) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "linear_bf16: x must be float32 [M, K]");
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
               "linear_bf16: w must be bfloat16 [N, K], contiguous, K as x's");
@@ -238,21 +265,15 @@ inline void linear_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor y) {
               "linear_bf16: y must be float32 [M, N]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   if (M == 0 || N == 0) return;
-  std::vector<XT> held;
-  const XT* xp = activations(x.data_ptr<float>(), M * K, held);
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  float* yp = y.data_ptr<float>();
-  if (M <= kGemvRows) {
-    at::parallel_for(0, (N + 3) / 4, 8, [&](int64_t lo, int64_t hi) {
-      ShareClock clock(std::min(N, 4 * hi) - 4 * lo);
-      rows_times<true>(xp, M, wp, K, N, 4 * lo, std::min(N, 4 * hi), yp);
-    });
-    return;
+  (void)round;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (round) {
+    std::vector<uint16_t> held;
+    return product<Dot>(rounded(x.data_ptr<float>(), M * K, held), M, K, wp, N, y.data_ptr<float>());
   }
-  at::parallel_for(0, (N + kBlockRows - 1) / kBlockRows, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t b = lo; b < hi; ++b)
-      rows_times<false>(xp, M, wp, K, N, b * kBlockRows, std::min(N, (b + 1) * kBlockRows), yp);
-  });
+#endif
+  product<Widen>(x.data_ptr<float>(), M, K, wp, N, y.data_ptr<float>());
 }
 
 }  // namespace bf16

@@ -54,13 +54,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("probe_int8", &deltaserve::probe_int8, "int8 products per second, all threads (iters, reps)");
   m.def("probe_bf16", &deltaserve::probe_bf16, "bfloat16 products per second as the bf16 kernels run them (iters, reps)");
   m.def("probe_read", &deltaserve::probe_read, "bytes read per second, all threads (buf, reps)");
-  m.def("linear_bf16", &deltaserve::bf16::linear_bf16, "float32 activations times bfloat16 weights (CPU)");
-  m.def("linear_bf16_shares", [](torch::Tensor x, torch::Tensor w, torch::Tensor y) {
-          return deltaserve::timed_shares([&] { deltaserve::bf16::linear_bf16(x, w, y); });
+  m.def("linear_bf16", &deltaserve::bf16::linear_bf16,
+        "float32 activations (rounded to bfloat16 where asked and AVX512_BF16 is built) times bfloat16 weights (CPU)");
+  m.def("linear_bf16_shares", [](torch::Tensor x, torch::Tensor w, torch::Tensor y, bool round) {
+          return deltaserve::timed_shares([&] { deltaserve::bf16::linear_bf16(x, w, y, round); });
         }, "linear_bf16 with each thread's (rows, seconds) of its share, for the benchmark");
-  m.def("bf16_isa", [] { return std::string(deltaserve::bf16::kIsa); }, "the instructions of the bf16 kernels in this build");
-  m.def("bf16_rounds_activations", [] { return deltaserve::bf16::kRoundsActivations; },
-        "whether the bf16 kernels round the activations to bfloat16 (AVX512_BF16 builds)");
+  m.def("bf16_isa", &deltaserve::bf16::isa, "the instructions of the bf16 kernels in this build");
+  m.def("bf16_rounds_activations", [] { return deltaserve::bf16::kDpbf16; },
+        "whether linear_bf16 rounds the activations to bfloat16 when asked (AVX512_BF16 builds)");
   m.def("packed_rows", &deltaserve::kq::packed_rows, "rows of packed GGML blocks dequantised to float32 (CPU)");
 
   // plan.h: a decode step through dense Qwen layers in one call

@@ -22,14 +22,14 @@ namespace deltaserve {
 
 // y [M, N] = x [M, K] @ W^T for a weight in one of the forms linear() reads
 struct LinearRef {
-  enum Kind : int64_t { kInt8Packed = 0, kQ8 = 1, kF16 = 2, kF32 = 3, kPacked = 4, kBF16 = 5 };
+  enum Kind : int64_t { kInt8Packed = 0, kQ8 = 1, kF16 = 2, kF32 = 3, kPacked = 4, kBF16 = 5, kBF16Float = 6 };
   int64_t kind;
   torch::Tensor w, aux, x_index;  // aux: the segment table (packed) or the scales (Q8_0); x_index: gather x first
   int64_t N, K;
 
   LinearRef(int64_t kind, torch::Tensor w, torch::Tensor aux, torch::Tensor x_index, int64_t N, int64_t K)
       : kind(kind), w(w), aux(aux), x_index(x_index), N(N), K(K) {
-    TORCH_CHECK(kind >= 0 && kind <= 5, "LinearRef: unknown kind ", kind);
+    TORCH_CHECK(kind >= 0 && kind <= 6, "LinearRef: unknown kind ", kind);
   }
 
   torch::Tensor operator()(torch::Tensor x) const {
@@ -42,7 +42,8 @@ struct LinearRef {
       case kF16: linear_f16(x, w, y); break;
       case kF32: at::mm_out(y, x, w.t()); break;
       case kPacked: kq::linear_packed(x, w, aux, y); break;
-      case kBF16: bf16::linear_bf16(x, w, y); break;
+      case kBF16: bf16::linear_bf16(x, w, y, true); break;
+      case kBF16Float: bf16::linear_bf16(x, w, y, false); break;
     }
     return y;
   }
