@@ -9,8 +9,8 @@
 // Both products work on tiles of RM activation rows x RN weight rows, each output a dot product along K kept in
 // one vector accumulator (lanes = consecutive k), summed across lanes at the tile's end: no weight is rearranged,
 // so the same matrix serves embedding lookups, sharding and the tied output head as it lies.
-//   decode (M <= kGemvRows): threads split the weight rows; each tile of weight rows is read from memory once
-//     (prefetched ahead) and multiplied by every activation row while it is in L1;
+//   decode (M <= kGemvRows): threads split the weight rows; each row is read from memory once, as one prefetched
+//     stream, and multiplied by every activation row while it is in L1;
 //   prefill: threads split blocks of kBlockRows weight rows (kept in L2), each multiplied by all activation
 //     rows, 4 x 4 tiles (16 accumulators, 8 loads a step).
 #pragma once
@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "gemv.h"
 #include "shares.h"
 
 namespace deltaserve {
@@ -31,7 +32,6 @@ namespace bf16 {
 
 constexpr int64_t kGemvRows = 16;   // activation rows up to which the decode driver runs
 constexpr int64_t kBlockRows = 64;  // weight rows a prefill thread keeps in L2 while all activation rows pass
-constexpr int64_t kPrefetch = 4096; // bytes ahead of each weight row's stream in decode
 
 inline float widen(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;
@@ -158,7 +158,7 @@ inline std::string isa() {
 }
 
 // y[m * ldy + n] = x row m . w row n for the tile's RM x RN outputs; x rows ldx apart, w rows K apart
-template <class I, int RM, int RN, bool kStream>
+template <class I, int RM, int RN>
 inline void tile(const typename I::XT* x, int64_t ldx, const uint16_t* w, int64_t K, float* y, int64_t ldy) {
   typename I::Acc acc[RM][RN];
   for (int m = 0; m < RM; ++m)
@@ -166,10 +166,7 @@ inline void tile(const typename I::XT* x, int64_t ldx, const uint16_t* w, int64_
   int64_t k = 0;
   for (; k + I::kStep <= K; k += I::kStep) {
     typename I::W wv[RN];
-    for (int n = 0; n < RN; ++n) {
-      if constexpr (kStream) _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k) + kPrefetch, _MM_HINT_T0);
-      wv[n] = I::load_w(w + n * K + k);
-    }
+    for (int n = 0; n < RN; ++n) wv[n] = I::load_w(w + n * K + k);
     for (int m = 0; m < RM; ++m) {
       const typename I::X xv = I::load_x(x + m * ldx + k);
       for (int n = 0; n < RN; ++n) acc[m][n] = I::madd(acc[m][n], xv, wv[n]);
@@ -190,36 +187,64 @@ inline void tile(const typename I::XT* x, int64_t ldx, const uint16_t* w, int64_
 }
 
 // the tile of mr <= 4 activation rows x nr <= 4 weight rows, as a compiled tile of those sizes
-template <class I, bool kStream>
+template <class I>
 inline void edge(int64_t mr, int64_t nr, const typename I::XT* x, int64_t ldx, const uint16_t* w, int64_t K, float* y,
                  int64_t ldy) {
   using Fn = void (*)(const typename I::XT*, int64_t, const uint16_t*, int64_t, float*, int64_t);
-  static constexpr Fn table[4][4] = {
-      {tile<I, 1, 1, kStream>, tile<I, 1, 2, kStream>, tile<I, 1, 3, kStream>, tile<I, 1, 4, kStream>},
-      {tile<I, 2, 1, kStream>, tile<I, 2, 2, kStream>, tile<I, 2, 3, kStream>, tile<I, 2, 4, kStream>},
-      {tile<I, 3, 1, kStream>, tile<I, 3, 2, kStream>, tile<I, 3, 3, kStream>, tile<I, 3, 4, kStream>},
-      {tile<I, 4, 1, kStream>, tile<I, 4, 2, kStream>, tile<I, 4, 3, kStream>, tile<I, 4, 4, kStream>}};
+  static constexpr Fn table[4][4] = {{tile<I, 1, 1>, tile<I, 1, 2>, tile<I, 1, 3>, tile<I, 1, 4>},
+                                     {tile<I, 2, 1>, tile<I, 2, 2>, tile<I, 2, 3>, tile<I, 2, 4>},
+                                     {tile<I, 3, 1>, tile<I, 3, 2>, tile<I, 3, 3>, tile<I, 3, 4>},
+                                     {tile<I, 4, 1>, tile<I, 4, 2>, tile<I, 4, 3>, tile<I, 4, 4>}};
   table[mr - 1][nr - 1](x, ldx, w, K, y, ldy);
 }
 
-// weight rows n0 .. n1 times activation rows 0 .. M in tiles of 4 x 4. kStream (decode): weight tile outer, read
-// from memory once (prefetched ahead) and kept in L1 while the activation rows pass; else (prefill) activation tile
-// outer, kept in L1 while the block's weight rows pass from L2.
-template <class I, bool kStream>
-inline void rows_times(const typename I::XT* x, int64_t M, const uint16_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1,
-                       float* y) {
-  auto at = [&](int64_t m, int64_t n) {
-    const int64_t mr = std::min<int64_t>(4, M - m), nr = std::min<int64_t>(4, n1 - n);
-    if (mr == 4 && nr == 4) tile<I, 4, 4, kStream>(x + m * K, K, w + n * K, K, y + m * N + n, N);
-    else edge<I, kStream>(mr, nr, x + m * K, K, w + n * K, K, y + m * N + n, N);
-  };
-  if constexpr (kStream) {
-    for (int64_t n = n0; n < n1; n += 4)
-      for (int64_t m = 0; m < M; m += 4) at(m, n);
-  } else {
-    for (int64_t m = 0; m < M; m += 4)
-      for (int64_t n = n0; n < n1; n += 4) at(m, n);
+// prefill: weight rows n0 .. n1 times activation rows 0 .. M in 4 x 4 tiles, activation tile outer (kept in L1 while
+// the block's weight rows pass from L2)
+template <class I>
+inline void block(const typename I::XT* x, int64_t M, const uint16_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1,
+                  float* y) {
+  for (int64_t m = 0; m < M; m += 4)
+    for (int64_t n = n0; n < n1; n += 4) {
+      const int64_t mr = std::min<int64_t>(4, M - m), nr = std::min<int64_t>(4, n1 - n);
+      if (mr == 4 && nr == 4) tile<I, 4, 4>(x + m * K, K, w + n * K, K, y + m * N + n, N);
+      else edge<I>(mr, nr, x + m * K, K, w + n * K, K, y + m * N + n, N);
+    }
+}
+
+// decode: one weight row times RM activation rows, two accumulators each (a step's latency hidden), the row read
+// as one stream from memory (prefetched kPrefetch ahead, as gemv.h's)
+template <class I, int RM>
+inline void row_tile(const typename I::XT* x, int64_t ldx, const uint16_t* w, int64_t K, float* y, int64_t ldy) {
+  typename I::Acc a0[RM], a1[RM];
+  for (int m = 0; m < RM; ++m) a0[m] = a1[m] = I::zero();
+  int64_t k = 0;
+  for (; k + 2 * I::kStep <= K; k += 2 * I::kStep) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k) + kGemvPrefetch, _MM_HINT_T0);
+    const typename I::W w0 = I::load_w(w + k), w1 = I::load_w(w + k + I::kStep);
+    for (int m = 0; m < RM; ++m) {
+      a0[m] = I::madd(a0[m], I::load_x(x + m * ldx + k), w0);
+      a1[m] = I::madd(a1[m], I::load_x(x + m * ldx + k + I::kStep), w1);
+    }
   }
+  for (; k + I::kStep <= K; k += I::kStep) {
+    const typename I::W w0 = I::load_w(w + k);
+    for (int m = 0; m < RM; ++m) a0[m] = I::madd(a0[m], I::load_x(x + m * ldx + k), w0);
+  }
+  for (int m = 0; m < RM; ++m) {
+    float s = I::sum(a0[m]) + I::sum(a1[m]);
+    for (int64_t j = k; j < K; ++j) s += I::scalar_x(x[m * ldx + j]) * widen(w[j]);
+    y[m * ldy] = s;
+  }
+}
+
+// decode: weight rows n0 .. n1, each read once and multiplied by all M activation rows, 4 at a time
+template <class I>
+inline void rows(const typename I::XT* x, int64_t M, const uint16_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1,
+                 float* y) {
+  using Fn = void (*)(const typename I::XT*, int64_t, const uint16_t*, int64_t, float*, int64_t);
+  static constexpr Fn by_rows[4] = {row_tile<I, 1>, row_tile<I, 2>, row_tile<I, 3>, row_tile<I, 4>};
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < M; m += 4) by_rows[std::min<int64_t>(4, M - m) - 1](x + m * K, K, w + n * K, K, y + m * N + n, N);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -243,15 +268,15 @@ inline const uint16_t* rounded(const float* x, int64_t n, std::vector<uint16_t>&
 template <class I>
 inline void product(const typename I::XT* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t N, float* yp) {
   if (M <= kGemvRows) {
-    at::parallel_for(0, (N + 3) / 4, 8, [&](int64_t lo, int64_t hi) {
-      ShareClock clock(std::min(N, 4 * hi) - 4 * lo);
-      rows_times<I, true>(xp, M, wp, K, N, 4 * lo, std::min(N, 4 * hi), yp);
+    at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
+      ShareClock clock(hi - lo);
+      rows<I>(xp, M, wp, K, N, lo, hi, yp);
     });
     return;
   }
   at::parallel_for(0, (N + kBlockRows - 1) / kBlockRows, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b)
-      rows_times<I, false>(xp, M, wp, K, N, b * kBlockRows, std::min(N, (b + 1) * kBlockRows), yp);
+      block<I>(xp, M, wp, K, N, b * kBlockRows, std::min(N, (b + 1) * kBlockRows), yp);
   });
 }
 
