@@ -129,8 +129,8 @@ class QwenModel(HybridModel):
         cos, sin = rope
         return layer.mixer(x, cos, sin, k_cache, v_cache, slots, start)
 
-    def decode_step(self, h, rope, state, slots, start, layers):
-        return plan.step(self, h, rope, state, slots, start, layers)
+    def decode_step(self, h, rope, state, slots, start, layers, snaps=None):
+        return plan.step(self, h, rope, state, slots, start, layers, snaps)
 
     # -- the checkpoint contract --------------------------------------------------------------------
 

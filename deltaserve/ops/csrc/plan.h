@@ -8,8 +8,10 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <tuple>
 #include <vector>
 
+#include "attention.h"
 #include "gdn.h"
 #include "gemv.h"
 #include "int8gemm.h"
@@ -77,43 +79,100 @@ class DecodePlan {
   torch::Tensor step(torch::Tensor h, torch::Tensor slots, torch::Tensor start, torch::Tensor cos, torch::Tensor sin,
                      const std::vector<torch::Tensor>& conv, const std::vector<torch::Tensor>& ssm,
                      const std::vector<torch::Tensor>& k_cache, const std::vector<torch::Tensor>& v_cache) {
-    const size_t L = layers_.size();
-    TORCH_CHECK(conv.size() == L && ssm.size() == L && k_cache.size() == L && v_cache.size() == L,
-                "DecodePlan.step: one cache entry per layer");
-    TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(), "DecodePlan.step: h must be float32 [N, E]");
-    const int64_t N = h.size(0);
-    const torch::Tensor none = at::empty({0}, at::TensorOptions().dtype(at::kFloat));
-    torch::Tensor x = at::empty_like(h);
-    for (size_t i = 0; i < L; ++i) {
-      const LayerPlan& l = layers_[i];
-      rms_norm(h, l.input_norm, l.eps, x, none, 0);
-      const torch::Tensor proj = l.in(x);
-      torch::Tensor mixed;
-      if (l.attention) {
-        const int64_t hd = l.q_norm.numel();
-        torch::Tensor o = at::empty({N, l.heads * hd}, at::TensorOptions().dtype(at::kFloat));
-        attention_step(proj, l.q_norm, l.k_norm, l.inner_eps, cos, sin, k_cache[i], v_cache[i], slots, start,
-                       1.0 / std::sqrt(static_cast<double>(hd)), o);
-        mixed = l.out(o);
-      } else {
-        const torch::Tensor o = gdn_core(proj.view({N, 1, proj.size(1)}), l.conv_weight, conv[i], slots, l.A, l.dt_bias,
-                                         ssm[i], l.norm, l.inner_eps, l.heads);
-        mixed = l.out(o.view({N, -1}));
-      }
-      h.add_(mixed);
-      rms_norm(h, l.post_norm, l.eps, x, none, 0);
-      const torch::Tensor gate_up = l.gate_up(x);
-      torch::Tensor act = at::empty({N, gate_up.size(1) / 2}, at::TensorOptions().dtype(at::kFloat));
-      silu_mul(gate_up, act);
-      h.add_(l.down(act));
-    }
-    return h;
+    return run(h, 1, slots, start, cos, sin, conv, ssm, k_cache, v_cache, 0, nullptr, nullptr);
+  }
+
+  // A verify pass: h [N * T, E], T tokens per sequence (token t of sequence n in row n T + t, at position
+  // start[n] + t), cos, sin [N * T, rot]. Also keeps what rollback reads, per layer (None on attention layers):
+  // the conv tape [N, W-1+T, C] and the delta-rule states after each of the last `depth` tokens [N, depth, HV, K, V].
+  std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>> verify(
+      torch::Tensor h, int64_t T, torch::Tensor slots, torch::Tensor start, torch::Tensor cos, torch::Tensor sin,
+      const std::vector<torch::Tensor>& conv, const std::vector<torch::Tensor>& ssm,
+      const std::vector<torch::Tensor>& k_cache, const std::vector<torch::Tensor>& v_cache, int64_t depth) {
+    TORCH_CHECK(T >= 1 && depth >= 1, "DecodePlan.verify: T and depth must be >= 1");
+    std::vector<torch::Tensor> tapes(layers_.size()), snaps(layers_.size());
+    h = run(h, T, slots, start, cos, sin, conv, ssm, k_cache, v_cache, depth, &tapes, &snaps);
+    return {h, tapes, snaps};
   }
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
   std::vector<LayerPlan> layers_;
+
+  torch::Tensor run(torch::Tensor h, int64_t T, torch::Tensor slots, torch::Tensor start, torch::Tensor cos,
+                    torch::Tensor sin, const std::vector<torch::Tensor>& conv, const std::vector<torch::Tensor>& ssm,
+                    const std::vector<torch::Tensor>& k_cache, const std::vector<torch::Tensor>& v_cache, int64_t depth,
+                    std::vector<torch::Tensor>* tapes, std::vector<torch::Tensor>* snaps) {
+    const size_t L = layers_.size();
+    TORCH_CHECK(conv.size() == L && ssm.size() == L && k_cache.size() == L && v_cache.size() == L,
+                "DecodePlan.step: one cache entry per layer");
+    TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous() && h.size(0) % T == 0,
+                "DecodePlan.step: h must be float32 [N * T, E]");
+    const int64_t M = h.size(0), N = M / T;
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    const torch::Tensor none = at::empty({0}, f32);
+    torch::Tensor x = at::empty_like(h);
+    for (size_t i = 0; i < L; ++i) {
+      const LayerPlan& l = layers_[i];
+      rms_norm(h, l.input_norm, l.eps, x, none, 0);
+      const torch::Tensor proj = l.in(x);
+      torch::Tensor mixed;
+      if (l.attention && T == 1) {
+        const int64_t hd = l.q_norm.numel();
+        torch::Tensor o = at::empty({N, l.heads * hd}, f32);
+        attention_step(proj, l.q_norm, l.k_norm, l.inner_eps, cos, sin, k_cache[i], v_cache[i], slots, start,
+                       1.0 / std::sqrt(static_cast<double>(hd)), o);
+        mixed = l.out(o);
+      } else if (l.attention) {
+        mixed = l.out(attention_tokens(l, proj, N, T, cos, sin, k_cache[i], v_cache[i], slots, start));
+      } else {
+        torch::Tensor tape, kept;
+        if (tapes) {
+          const int64_t C = l.conv_weight.size(0), HV = ssm[i].size(1);
+          tape = (*tapes)[i] = at::empty({N, conv[i].size(1) + T, C}, f32);
+          kept = (*snaps)[i] = at::empty({N, depth, HV, ssm[i].size(2), ssm[i].size(3)}, f32);
+        }
+        const torch::Tensor o = gdn_core_kept(proj.view({N, T, proj.size(1)}), l.conv_weight, conv[i], slots, l.A,
+                                              l.dt_bias, ssm[i], l.norm, l.inner_eps, l.heads, tape, kept);
+        mixed = l.out(o.view({M, -1}));
+      }
+      h.add_(mixed);
+      rms_norm(h, l.post_norm, l.eps, x, none, 0);
+      const torch::Tensor gate_up = l.gate_up(x);
+      torch::Tensor act = at::empty({M, gate_up.size(1) / 2}, f32);
+      silu_mul(gate_up, act);
+      h.add_(l.down(act));
+    }
+    return h;
+  }
+
+  // Gated attention over T tokens of each of N sequences, as the modules' prefill path computes it: q / k norms
+  // and rope in place on proj [N T, D], the keys and values written into the cache rows, attention over the rows
+  // (attention_cached), times sigmoid(gate). -> [N T, nh hd], the output projection's input.
+  static torch::Tensor attention_tokens(const LayerPlan& l, torch::Tensor proj, int64_t N, int64_t T, torch::Tensor cos,
+                                        torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                                        torch::Tensor slots, torch::Tensor start) {
+    const int64_t hd = l.q_norm.numel(), nh = l.heads, nkv = k_cache.size(2);
+    TORCH_CHECK(proj.size(1) == (2 * nh + 2 * nkv) * hd, "DecodePlan.verify: attention projection width");
+    norm_rope_rows(proj, l.q_norm, l.k_norm, l.inner_eps, cos, sin, nh, nkv, 2 * nh * hd);
+    const torch::Tensor rows = proj.view({N, T, proj.size(1)});
+    const torch::Tensor k = rows.narrow(2, 2 * nh * hd, nkv * hd).unflatten(2, {nkv, hd});
+    const torch::Tensor v = rows.narrow(2, (2 * nh + nkv) * hd, nkv * hd).unflatten(2, {nkv, hd});
+    const int64_t *sp = slots.data_ptr<int64_t>(), *pp = start.data_ptr<int64_t>();
+    for (int64_t n = 0; n < N; ++n) {
+      TORCH_CHECK(sp[n] >= 0 && sp[n] < k_cache.size(0) && pp[n] >= 0 && pp[n] + T <= k_cache.size(1),
+                  "DecodePlan.verify: slot ", sp[n], " from position ", pp[n], " outside the cache");
+      k_cache[sp[n]].narrow(0, pp[n], T).copy_(k[n]);
+      v_cache[sp[n]].narrow(0, pp[n], T).copy_(v[n]);
+    }
+    torch::Tensor o = at::empty({N, T, nh, hd}, at::TensorOptions().dtype(at::kFloat));
+    attention_cached(rows.narrow(2, 0, nh * hd).unflatten(2, {nh, hd}), k_cache, v_cache, slots, start,
+                     1.0 / std::sqrt(static_cast<double>(hd)), o);
+    o = o.view({N * T, nh * hd});
+    o.mul_(at::sigmoid(proj.narrow(1, nh * hd, nh * hd)));
+    return o;
+  }
 };
 
 inline void bind_plan(pybind11::module_& m) {
@@ -126,6 +185,7 @@ inline void bind_plan(pybind11::module_& m) {
       .def("add_gdn", &DecodePlan::add_gdn)
       .def("add_attention", &DecodePlan::add_attention)
       .def("step", &DecodePlan::step)
+      .def("verify", &DecodePlan::verify)
       .def("__len__", &DecodePlan::size);
 }
 
