@@ -1,6 +1,6 @@
 """Greedy decoding with the model's MTP layer drafting (`--spec mtp`) against plain decoding, k = 1..4.
 
-    python -m deltaserve.bench.mtp MODEL.gguf [--tokens 64] [--reps 2] [--prompt TEXT | --chat QUESTION]
+    python -m deltaserve.bench.mtp MODEL.gguf [--tokens 64] [--reps 2] [--prompt TEXT | --chat QUESTION] [--threads N]
 
 One LLM decodes the same prompt plainly and with k = 1, 2, 3, 4 in turn, `--reps` rounds; the fastest run of
 each counts (tokens/s over the whole generate call, a 15-token prompt's prefill included). Every run must give
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import time
+
+import torch
 
 from deltaserve.engine.llm import LLM
 
@@ -50,7 +52,10 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--prompt", default=PROMPT, help="the text to continue (default: %(default)r)")
     p.add_argument("--chat", metavar="QUESTION", help="ask this through the chat template instead")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 is steadier on a busy machine)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = measure(args.model, args.tokens, args.reps, args.prompt, args.chat)
     for k, row in rows.items():
         line = f"k={k}  {row['tok_s']:7.1f} tok/s  {row['tok_s'] / rows[0]['tok_s']:5.2f}x plain"
