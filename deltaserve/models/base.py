@@ -173,6 +173,14 @@ class HybridModel(nn.Module, ABC):
         is its case (None: the modules run)."""
         return None
 
+    def mtp_follow(self, ids, before, rope, k_cache, v_cache, slots, start) -> bool:
+        """models/mtp.follow's cache writes in one call where the family has one (False: the modules run)."""
+        return False
+
+    def mtp_draft(self, state: HybridState, slots, ids, hidden, ks: list[int]) -> list[list[int]] | None:
+        """models/mtp.draft's chained drafts in one call where the family has one (None: the modules run)."""
+        return None
+
 
 def conv_tape(conv_state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """[conv state before x | x], [N, W-1+T, C]: the conv state after token t of x is rows t+1 .. t+W-1

@@ -63,15 +63,14 @@ def _plan(model, layers: range):
     plans = model.__dict__.setdefault("_decode_plans", {})
     key = (layers.start, layers.stop, packed.INT8_ACTIVATIONS, layer_ops.Q8_INT8_ACTIVATIONS)
     if key not in plans:
-        plans[key] = _build(model, layers)
+        plans[key] = build(fused.extension(), [model.layers[i] for i in layers])
     return plans[key]
 
 
-def _build(model, layers: range):
-    ext = fused.extension()
+def build(ext, layers: list):
+    """A DecodePlan of these decoder layers, or None where one is not the plan's case."""
     plan = ext.DecodePlan()
-    for i in layers:
-        layer = model.layers[i]
+    for layer in layers:
         if not isinstance(layer.ffn, MLP):
             return None
         mixer, norms = layer.mixer, (layer.input_norm.weight, layer.post_norm.weight)
@@ -92,9 +91,11 @@ def _build(model, layers: range):
 
 def _linear(ext, module):
     """The C++ LinearRef of a Linear module's weight (kinds as plan.h numbers them), or None."""
-    w = module.weight
-    if module.bias is not None:
-        return None
+    return None if module.bias is not None else weight_ref(ext, module.weight)
+
+
+def weight_ref(ext, w: torch.Tensor):
+    """The C++ LinearRef of x @ w.T for a weight in any form linear() reads, or None where the plan has no kernel."""
     if packed.is_packed(w):
         pk = w.packing
         index = _NONE.long() if pk.x_index is None else pk.x_index

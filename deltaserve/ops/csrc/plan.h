@@ -95,6 +95,23 @@ class DecodePlan {
     return {h, tapes, snaps};
   }
 
+  // Only the keys and values of h [N * T, E] (T tokens per sequence from start[n]; cos, sin [N * T, rot]) into the
+  // caches of the plan's first layer, an attention layer: the MTP layer following a trunk pass, where nothing of
+  // its output is used.
+  void write_kv(torch::Tensor h, int64_t T, torch::Tensor slots, torch::Tensor start, torch::Tensor cos,
+                torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache) {
+    TORCH_CHECK(!layers_.empty() && layers_[0].attention, "DecodePlan.write_kv: the first layer must be attention");
+    TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous() && T >= 1 && h.size(0) % T == 0,
+                "DecodePlan.write_kv: h must be float32 [N * T, E]");
+    const LayerPlan& l = layers_[0];
+    torch::Tensor x = at::empty_like(h);
+    rms_norm(h, l.input_norm, l.eps, x, at::empty({0}, at::TensorOptions().dtype(at::kFloat)), 0);
+    const torch::Tensor proj = l.in(x);
+    const int64_t hd = l.q_norm.numel(), nkv = k_cache.size(2);
+    norm_rope_rows(proj, l.q_norm, l.k_norm, l.inner_eps, cos, sin, 0, nkv, 2 * l.heads * hd);  // the keys only
+    store_kv(l, proj, h.size(0) / T, T, k_cache, v_cache, slots, start);
+  }
+
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
@@ -147,6 +164,23 @@ class DecodePlan {
     return h;
   }
 
+  // The keys and values of proj [N T, D] (keys normed and rotated) into cache rows slots[n] from start[n].
+  static void store_kv(const LayerPlan& l, const torch::Tensor& proj, int64_t N, int64_t T, torch::Tensor k_cache,
+                       torch::Tensor v_cache, torch::Tensor slots, torch::Tensor start) {
+    const int64_t hd = l.q_norm.numel(), nh = l.heads, nkv = k_cache.size(2);
+    TORCH_CHECK(proj.size(1) == (2 * nh + 2 * nkv) * hd, "DecodePlan: attention projection width");
+    const torch::Tensor rows = proj.view({N, T, proj.size(1)});
+    const torch::Tensor k = rows.narrow(2, 2 * nh * hd, nkv * hd).unflatten(2, {nkv, hd});
+    const torch::Tensor v = rows.narrow(2, (2 * nh + nkv) * hd, nkv * hd).unflatten(2, {nkv, hd});
+    const int64_t *sp = slots.data_ptr<int64_t>(), *pp = start.data_ptr<int64_t>();
+    for (int64_t n = 0; n < N; ++n) {
+      TORCH_CHECK(sp[n] >= 0 && sp[n] < k_cache.size(0) && pp[n] >= 0 && pp[n] + T <= k_cache.size(1),
+                  "DecodePlan: slot ", sp[n], " from position ", pp[n], " outside the cache");
+      k_cache[sp[n]].narrow(0, pp[n], T).copy_(k[n]);
+      v_cache[sp[n]].narrow(0, pp[n], T).copy_(v[n]);
+    }
+  }
+
   // Gated attention over T tokens of each of N sequences, as the modules' prefill path computes it: q / k norms
   // and rope in place on proj [N T, D], the keys and values written into the cache rows, attention over the rows
   // (attention_cached), times sigmoid(gate). -> [N T, nh hd], the output projection's input.
@@ -156,16 +190,8 @@ class DecodePlan {
     const int64_t hd = l.q_norm.numel(), nh = l.heads, nkv = k_cache.size(2);
     TORCH_CHECK(proj.size(1) == (2 * nh + 2 * nkv) * hd, "DecodePlan.verify: attention projection width");
     norm_rope_rows(proj, l.q_norm, l.k_norm, l.inner_eps, cos, sin, nh, nkv, 2 * nh * hd);
+    store_kv(l, proj, N, T, k_cache, v_cache, slots, start);
     const torch::Tensor rows = proj.view({N, T, proj.size(1)});
-    const torch::Tensor k = rows.narrow(2, 2 * nh * hd, nkv * hd).unflatten(2, {nkv, hd});
-    const torch::Tensor v = rows.narrow(2, (2 * nh + nkv) * hd, nkv * hd).unflatten(2, {nkv, hd});
-    const int64_t *sp = slots.data_ptr<int64_t>(), *pp = start.data_ptr<int64_t>();
-    for (int64_t n = 0; n < N; ++n) {
-      TORCH_CHECK(sp[n] >= 0 && sp[n] < k_cache.size(0) && pp[n] >= 0 && pp[n] + T <= k_cache.size(1),
-                  "DecodePlan.verify: slot ", sp[n], " from position ", pp[n], " outside the cache");
-      k_cache[sp[n]].narrow(0, pp[n], T).copy_(k[n]);
-      v_cache[sp[n]].narrow(0, pp[n], T).copy_(v[n]);
-    }
     torch::Tensor o = at::empty({N, T, nh, hd}, at::TensorOptions().dtype(at::kFloat));
     attention_cached(rows.narrow(2, 0, nh * hd).unflatten(2, {nh, hd}), k_cache, v_cache, slots, start,
                      1.0 / std::sqrt(static_cast<double>(hd)), o);
@@ -186,6 +212,7 @@ inline void bind_plan(pybind11::module_& m) {
       .def("add_attention", &DecodePlan::add_attention)
       .def("step", &DecodePlan::step)
       .def("verify", &DecodePlan::verify)
+      .def("write_kv", &DecodePlan::write_kv)
       .def("__len__", &DecodePlan::size);
 }
 
