@@ -1,5 +1,5 @@
-"""The one-call paths of speculative decoding (models/qwen/plan.py's verify pass, models/qwen/mtp_plan.py's drafts
-and MTP cache writes) against transformers / the float64 MTP reference of test_mtp.py, and bit for bit against
+"""The one-call paths of speculative decoding (models/qwen/plan.py: the verify pass, the MTP layer's drafts and
+cache writes) against transformers / the float64 MTP reference of test_mtp.py, and bit for bit against
 the modules they replace. Dense qwen35 layers take the plans; the MoE families (qwen35moe, qwen3next here) keep
 the modules, which the same checks cover."""
 

@@ -16,7 +16,7 @@ from torch import nn
 from deltaserve.models.base import HybridModel, conv_tape
 from deltaserve.models.layers import MLP, GatedAttention, Linear, RMSNorm, RotaryEmbedding, SparseMoE
 from deltaserve.models.mtp import MTPHead
-from deltaserve.models.qwen import mtp_plan, plan
+from deltaserve.models.qwen import plan
 from deltaserve.models.qwen.config import QwenConfig
 from deltaserve.models.weights import (IDENTITY, NEG_EXP, PLUS_ONE, Param, cat, either, leaf, per_head, reshape,
                                        stack, tiled_heads)
@@ -133,10 +133,10 @@ class QwenModel(HybridModel):
         return plan.step(self, h, rope, state, slots, start, layers, snaps)
 
     def mtp_follow(self, ids, before, rope, k_cache, v_cache, slots, start):
-        return mtp_plan.follow(self, ids, before, rope, k_cache, v_cache, slots, start)
+        return plan.mtp_follow(self, ids, before, rope, k_cache, v_cache, slots, start)
 
     def mtp_draft(self, state, slots, ids, hidden, ks):
-        return mtp_plan.draft(self, state, slots, ids, hidden, ks)
+        return plan.mtp_draft(self, state, slots, ids, hidden, ks)
 
     # -- the checkpoint contract --------------------------------------------------------------------
 

@@ -8,6 +8,12 @@ recurrent caches and a KV cache the attention step kernel reads; elsewhere (MoE 
 across threads, training) the modules run. A speculative verify pass (a few tokens per sequence, keeping per-token
 snapshots for rollback) runs through the same plan: on a 7.5M-parameter model the modules' Python made it cost ten
 plain steps. The plan is built once per range of layers.
+
+The MTP layer (models/mtp.py) has a plan of its own (MTPPlan): k chained greedy drafts in one call, and the keys and
+values a trunk pass leaves in its cache without its attention output (through the modules a draft step cost ~50
+small torch ops, 0.3 ms on the embedded model where its arithmetic takes a fifth of that). It applies where the
+layer's feed-forward is a dense MLP and the embedding float32 or float16; elsewhere (qwen35moe's MoE layer,
+quantised embeddings) models/mtp.py runs the modules, with the same drafts.
 """
 
 from __future__ import annotations
@@ -63,11 +69,11 @@ def _plan(model, layers: range):
     plans = model.__dict__.setdefault("_decode_plans", {})
     key = (layers.start, layers.stop, packed.INT8_ACTIVATIONS, layer_ops.Q8_INT8_ACTIVATIONS)
     if key not in plans:
-        plans[key] = build(fused.extension(), [model.layers[i] for i in layers])
+        plans[key] = _build_layers(fused.extension(), [model.layers[i] for i in layers])
     return plans[key]
 
 
-def build(ext, layers: list):
+def _build_layers(ext, layers: list):
     """A DecodePlan of these decoder layers, or None where one is not the plan's case."""
     plan = ext.DecodePlan()
     for layer in layers:
@@ -91,10 +97,10 @@ def build(ext, layers: list):
 
 def _linear(ext, module):
     """The C++ LinearRef of a Linear module's weight (kinds as plan.h numbers them), or None."""
-    return None if module.bias is not None else weight_ref(ext, module.weight)
+    return None if module.bias is not None else _weight_ref(ext, module.weight)
 
 
-def weight_ref(ext, w: torch.Tensor):
+def _weight_ref(ext, w: torch.Tensor):
     """The C++ LinearRef of x @ w.T for a weight in any form linear() reads, or None where the plan has no kernel."""
     if packed.is_packed(w):
         pk = w.packing
@@ -106,3 +112,66 @@ def weight_ref(ext, w: torch.Tensor):
     if w.dtype in (torch.float16, torch.float32) and w.is_contiguous():
         return ext.LinearRef(2 if w.dtype == torch.float16 else 3, w, _NONE, _NONE.long(), N, K)
     return None
+
+
+def mtp_follow(model, ids: torch.Tensor, before: torch.Tensor, rope, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           slots: torch.Tensor, start: torch.Tensor) -> bool:
+    """The MTP layer's keys and values for ids [N, T] after normed hidden states before [N, T, E] (each token's
+    predecessor's), at positions start..; False where the plan does not apply (nothing written)."""
+    N, T, E = before.shape
+    if N * T > _GEMV_ROWS or not _applies(before, k_cache, v_cache):
+        return False
+    plan = _mtp_plan(model)
+    if plan is None:
+        return False
+    cos, sin = (t.reshape(N * T, -1).contiguous() for t in rope)
+    plan.follow(ids.reshape(-1).contiguous(), before.reshape(N * T, E).contiguous(), T, slots, start, cos, sin,
+                k_cache, v_cache)
+    return True
+
+
+def mtp_draft(model, state, slots: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor,
+          ks: list[int]) -> list[list[int]] | None:
+    """ks[n] greedy chained drafts after ids [N] (each slot's pending token) from hidden [N, E] (the trunk's normed
+    state after the slot's last token), writing the MTP cache at the drafted positions; None where the plan does
+    not apply."""
+    i = len(model.layers)
+    k_cache, v_cache = state.k[i], state.v[i]
+    if len(ks) > _GEMV_ROWS or not _applies(hidden, k_cache, v_cache):
+        return None
+    plan = _mtp_plan(model)
+    if plan is None:
+        return None
+    start = state.lengths[slots]
+    cos, sin = model.rope(start[:, None] + torch.arange(max(ks), device=start.device))  # [N, k, rot]
+    out = plan.draft(ids.contiguous(), hidden.float().contiguous(), slots, start.contiguous(), cos.contiguous(),
+                     sin.contiguous(), k_cache, v_cache, ks)
+    return [row[:k] for row, k in zip(out.tolist(), ks)]
+
+
+def _applies(x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return (x.dtype == torch.float32 and x.is_cpu and k_cache.dtype in _STEP_CACHE_DTYPES and v_cache.dtype == k_cache.dtype
+            and k_cache.is_cpu and fused.available())
+
+
+def _mtp_plan(model):
+    """The model's MTPPlan (built at first use, keyed like the decode plans by the activations' rounding), or None."""
+    plans = model.__dict__.setdefault("_decode_plans", {})
+    key = ("mtp", packed.INT8_ACTIVATIONS, layer_ops.Q8_INT8_ACTIVATIONS)
+    if key not in plans:
+        plans[key] = _build_mtp(model)
+    return plans[key]
+
+
+def _build_mtp(model):
+    mtp, ext = model.mtp, fused.extension()
+    embed = model.embed.weight
+    if (mtp is None or packed.is_packed(embed) or embed.dtype not in (torch.float16, torch.float32)
+            or not embed.is_contiguous() or len({mtp.enorm.eps, mtp.hnorm.eps, mtp.norm.eps}) != 1):
+        return None
+    layer = _build_layers(ext, [mtp.layer])
+    head = _weight_ref(ext, embed if model.lm_head is None else model.lm_head.weight)
+    fc = None if mtp.fc.bias is not None else _weight_ref(ext, mtp.fc.weight)
+    if layer is None or head is None or fc is None:
+        return None
+    return ext.MTPPlan(embed, mtp.enorm.weight, mtp.hnorm.weight, mtp.enorm.eps, fc, layer, mtp.norm.weight, head)

@@ -2,8 +2,8 @@
 // delta_rule.h (the fused gated delta rule), conv.h, gdn.h (a GDN layer's middle in one call), layers.h (norms, SwiGLU, attention step), gemv.h,
 // kquants.h (packed GGML blocks: decoders, rows to float32) and kquants_avx512.h, packed.h (decode GEMV and rows to float32 on them),
 // int8dot.h, int8gemv.h, int8gemm.h and panels.h (integer dot products of K-quant blocks; int8q8.h of Q8_0 ones with activations rounded to int8), probe.h (peaks),
-// attention.h (tiled attention over the KV cache for long spans), plan.h (a decode step through dense layers),
-// mtp_plan.h (the MTP layer's drafts).
+// attention.h (tiled attention over the KV cache for long spans), plan.h (a decode step or verify pass through dense
+// layers, and the MTP layer's drafts).
 #include "attention.h"
 #include "conv.h"
 #include "delta_rule.h"
@@ -13,7 +13,6 @@
 #include "int8q8.h"
 #include "kquants.h"
 #include "layers.h"
-#include "mtp_plan.h"
 #include "packed.h"
 #include "panels.h"
 #include "plan.h"
@@ -55,10 +54,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("probe_read", &deltaserve::probe_read, "bytes read per second, all threads (buf, reps)");
   m.def("packed_rows", &deltaserve::kq::packed_rows, "rows of packed GGML blocks dequantised to float32 (CPU)");
 
-  // plan.h: a decode step through dense Qwen layers in one call
+  // plan.h: a decode step or verify pass through dense Qwen layers in one call, and the MTP layer's drafts
   deltaserve::bind_plan(m);
-  // mtp_plan.h: the MTP layer's drafts and cache writes in one call each
-  deltaserve::bind_mtp_plan(m);
 
   // attention.h
   m.def("attention_cached", &deltaserve::attention_cached, "tiled causal attention over a KV cache (CPU, float32 q)");
