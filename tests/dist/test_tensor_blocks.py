@@ -18,7 +18,7 @@ from deltaserve.models.layers import dequantize, linear, part
 from tests.models.test_packed_weights import assert_matmul, packed_matrix
 
 from . import ranks
-from .test_pipeline import _port
+from tests.processes import free_port
 
 
 @pytest.fixture
@@ -114,7 +114,7 @@ BF16 = ("qwen35moe", "tiny", dict(linear_k_heads=2, linear_v_heads=4, linear_v_d
                          ids=["Q8_0", "Q8_0-int8-activations", "Q4_K_M-float-activations", "Q4_K_M-int8-activations",
                               "Q4_0-tiled", "BF16-float-activations", "BF16-bf16-activations"])
 def test_quantised_shards_match_one_process(spec, int8, quantised):
-    mp.spawn(ranks.check_quantised, args=(str(quantised(*spec)), _port(), int8), nprocs=2)
+    mp.spawn(ranks.check_quantised, args=(str(quantised(*spec)), free_port(), int8), nprocs=2)
 
 
 def test_k_quant_file_refuses_a_share_that_parts_its_blocks(quantised):

@@ -3,7 +3,8 @@
 // kquants.h (packed GGML blocks: decoders, rows to float32) and kquants_avx512.h, packed.h (decode GEMV and rows to float32 on them),
 // int8dot.h, int8gemv.h, int8gemm.h and panels.h (integer dot products of K-quant blocks; int8q8.h of Q8_0 ones with activations rounded to int8), probe.h (peaks),
 // bf16.h (float32 activations times bfloat16 weights),
-// attention.h (tiled attention over the KV cache for long spans), plan.h (a decode step through dense layers).
+// attention.h (tiled attention over the KV cache for long spans), plan.h (a decode step or verify pass through dense
+// layers, and the MTP layer's drafts).
 #include "attention.h"
 #include "bf16.h"
 #include "conv.h"
@@ -64,7 +65,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether linear_bf16 rounds the activations to bfloat16 when asked (AVX512_BF16 builds)");
   m.def("packed_rows", &deltaserve::kq::packed_rows, "rows of packed GGML blocks dequantised to float32 (CPU)");
 
-  // plan.h: a decode step through dense Qwen layers in one call
+  // plan.h: a decode step or verify pass through dense Qwen layers in one call, and the MTP layer's drafts
   deltaserve::bind_plan(m);
 
   // attention.h
