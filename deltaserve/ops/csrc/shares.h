@@ -20,6 +20,7 @@ class ShareClock {
   explicit ShareClock(int64_t rows) : rows_(rows) {
     if (g_share_times != nullptr) start_ = std::chrono::steady_clock::now();
   }
+  void add(int64_t rows) { rows_ += rows; }  // a share whose size is known as it goes (units taken from a counter)
   ~ShareClock() {
     if (g_share_times == nullptr) return;
     const size_t t = static_cast<size_t>(at::get_thread_num());
