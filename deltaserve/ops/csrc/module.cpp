@@ -24,8 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdr_inplace", &deltaserve::gdr_inplace, "the common in-place call, checked in C++; None for any other");
   m.def("gdn_core", &deltaserve::gdn_core, "a GDN layer's conv, gates, delta rule and gated norm at inference (CPU)");
   m.def("conv_forward", &deltaserve::conv_forward, "short causal depthwise conv with state (CPU, float32)");
-  m.def("linear_f16", &deltaserve::linear_f16, "float32 activations times float16 weights (CPU)");
-  m.def("linear_f16_gemm", &deltaserve::f16::linear_f16_gemm, "float32 activations times float16 weights, prefill GEMM (CPU)");
+  m.def("linear_f16", &deltaserve::f16::linear, "float32 activations times float16 weights: the GEMV for a few rows, else the GEMM (CPU)");
+  m.def("linear_f16_gemm", &deltaserve::f16::linear_f16_gemm, "float32 activations times float16 weights through the GEMM whatever the rows (CPU)");
   m.def("linear_f16_gemm_shares", [](torch::Tensor x, torch::Tensor w, torch::Tensor y) {
           return deltaserve::timed_shares([&] { deltaserve::f16::linear_f16_gemm(x, w, y); });
         }, "linear_f16_gemm with each thread's (outputs, seconds) of its share, for the benchmark");

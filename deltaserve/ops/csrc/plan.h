@@ -10,6 +10,7 @@
 #include <cmath>
 #include <vector>
 
+#include "f16gemm.h"
 #include "gdn.h"
 #include "gemv.h"
 #include "int8gemm.h"
@@ -38,7 +39,7 @@ struct LinearRef {
     switch (kind) {
       case kInt8Packed: kq::linear_int8(x, w, aux, y); break;
       case kQ8: q8::linear_q8_int8(x, w, aux, y); break;
-      case kF16: linear_f16(x, w, y); break;
+      case kF16: f16::linear(x, w, y); break;
       case kF32: at::mm_out(y, x, w.t()); break;
       case kPacked: kq::linear_packed(x, w, aux, y); break;
     }
