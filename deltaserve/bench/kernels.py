@@ -9,9 +9,9 @@ the decode GEMV (one row of activations, weights streamed from memory: GB/s agai
 prefill GEMM (256 rows: GOP/s against the int8 or FMA peak); the float16 GEMM (256 and 512 rows: GFLOP/s against
 the FMA peak) and torch's float32 GEMM beside them. Each figure comes from the fastest of many short timings: on a
 shared machine other processes only ever slow one down, and a call of a few ms often runs whole between them. The
-decode GEMVs' and the float16 GEMM's rates are taken as the peaks are, each thread's fastest share
-(ops/csrc/shares.h) added up, with the whole calls' rate beside them (what a step waits for, the scheduler's
-delays included).
+decode GEMVs' and the float16 GEMM's rates are taken as the peaks are, each thread's fastest share (GEMVs) or unit
+of its share (the GEMM; ops/csrc/shares.h) added up, with the whole calls' rate beside them (what a step waits
+for, the scheduler's delays included).
 """
 
 from __future__ import annotations
@@ -149,7 +149,8 @@ def _q8_rates(ext, M: int, N: int) -> list[dict]:
 
 def _f16_row(ext, M: int, N: int) -> dict:
     """The float16 prefill GEMM (ops/csrc/f16gemm.h): its rate as the FMA peak's is measured, each thread's fastest
-    share (outputs times 2K flops over its own seconds) added up, with the whole calls' rate beside it."""
+    unit (a block of 256 columns: outputs times 2K flops over its own seconds) added up, with the whole calls' rate
+    beside it."""
     w, x, y = (torch.randn(N, _HIDDEN) * 0.05).half(), torch.randn(M, _HIDDEN), torch.empty(M, N)
     flops = 2 * M * N * _HIDDEN
     t = _best(lambda: ext.linear_f16_gemm(x, w, y))

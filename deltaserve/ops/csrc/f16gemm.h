@@ -199,12 +199,11 @@ inline void gemm(const float* x, const uint16_t* w, float* y, int64_t M, int64_t
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     static thread_local std::vector<float> panel(kKC * kNC);
-    ShareClock clock(0);
     for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
       const int64_t b = u / split, s = u % split, n0 = b * kNC, nc = std::min(kNC, N - n0);
       const int64_t t0 = tiles * s / split, t1 = tiles * (s + 1) / split;
+      const UnitClock clock(nc * (std::min(M, t1 * kMR) - t0 * kMR));
       gemm_unit(xp.get(), w, y, M, N, K, n0, nc, t0, t1, panel.data());
-      clock.add(nc * std::min(M, t1 * kMR) - nc * t0 * kMR);
     }
   });
 }

@@ -28,7 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_f16_gemm", &deltaserve::f16::linear_f16_gemm, "float32 activations times float16 weights through the GEMM whatever the rows (CPU)");
   m.def("linear_f16_gemm_shares", [](torch::Tensor x, torch::Tensor w, torch::Tensor y) {
           return deltaserve::timed_shares([&] { deltaserve::f16::linear_f16_gemm(x, w, y); });
-        }, "linear_f16_gemm with each thread's (outputs, seconds) of its share, for the benchmark");
+        }, "linear_f16_gemm with each thread's (outputs, seconds) of its fastest unit, for the benchmark");
   m.def("rms_norm", &deltaserve::rms_norm, "RMSNorm over the last dim, optionally gated (CPU, float32)");
   m.def("norm_rope_rows", &deltaserve::norm_rope_rows, "q/k RMSNorm + rope of attention rows in place (CPU, float32)");
   m.def("attention_step", &deltaserve::attention_step, "a decode step of gated attention (CPU, float32)");

@@ -20,12 +20,33 @@ class ShareClock {
   explicit ShareClock(int64_t rows) : rows_(rows) {
     if (g_share_times != nullptr) start_ = std::chrono::steady_clock::now();
   }
-  void add(int64_t rows) { rows_ += rows; }  // a share whose size is known as it goes (units taken from a counter)
   ~ShareClock() {
     if (g_share_times == nullptr) return;
     const size_t t = static_cast<size_t>(at::get_thread_num());
     if (t < g_share_times->size())
       (*g_share_times)[t] = {rows_, std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count()};
+  }
+
+ private:
+  int64_t rows_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+// For kernels whose threads take many units from a counter (f16gemm.h): records (rows, seconds) of the enclosing unit
+// into g_share_times[thread] when it is that thread's fastest so far, as the probes keep each thread's fastest round
+// (a thread's whole share of a long call is rarely left to run whole on a shared machine).
+class UnitClock {
+ public:
+  explicit UnitClock(int64_t rows) : rows_(rows) {
+    if (g_share_times != nullptr) start_ = std::chrono::steady_clock::now();
+  }
+  ~UnitClock() {
+    if (g_share_times == nullptr) return;
+    const size_t t = static_cast<size_t>(at::get_thread_num());
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    if (t >= g_share_times->size() || s <= 0) return;
+    auto& best = (*g_share_times)[t];
+    if (best.first == 0 || rows_ / s > best.first / best.second) best = {rows_, s};
   }
 
  private:
