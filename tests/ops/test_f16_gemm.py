@@ -88,11 +88,13 @@ def test_bad_arguments_are_named(kernel, rows):
         run(x, w, torch.empty(rows, 11))
 
 
-def test_avx2_build_of_the_gemm():
-    """On an AVX-512 machine the AVX2 path (ymm tiles of 6 x 16) is built for x86-64-v3 and runs the tests above."""
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"], ids=["avx2", "portable"])
+def test_other_builds_of_the_gemm(march):
+    """On an AVX-512 machine the AVX2 path (ymm tiles of 6 x 16) and the portable C++ one (no AVX) are built for
+    x86-64-v3 and -v2 (DELTASERVE_MARCH) and run the tests above."""
     if platform.machine() != "x86_64" or "avx512f" not in Path("/proc/cpuinfo").read_text():
-        pytest.skip("the native build is already the fallback here")
-    env = dict(os.environ, DELTASERVE_MARCH="x86-64-v3")
+        pytest.skip("the native build is already a fallback here")
+    env = dict(os.environ, DELTASERVE_MARCH=march)
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-                           "-k", "not avx2"], env=env, capture_output=True, text=True)
+                           "-k", "not other_builds"], env=env, capture_output=True, text=True)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
