@@ -1,6 +1,6 @@
 """The prefill GEMM of float16 weights (ops/csrc/f16gemm.h): float32 activations times the float16 weights as stored,
 summed in float32. Checked against float64 products of the same values: exactly where every partial sum is exact in
-float32, else within the bound of float32 summation; odd shapes cut every tile (rows of 12, columns of 32 and 256,
+float32, else within the bound of float32 summation; odd shapes cut every tile (rows of 6, columns of 64 and 256,
 k of 16 and 256) short."""
 
 import os

@@ -26,14 +26,18 @@ namespace deltaserve {
 namespace f16 {
 
 #if defined(__AVX512F__)
-constexpr int kNR = 32, kMR = 12;  // 2 zmm of columns x 12 rows: 24 accumulators of the 32 registers
+// 4 zmm of columns x 6 rows: 24 accumulators of the 32 registers. Measured on the 2-core EPYC (Zen 4), one thread,
+// 512 rows: 85-89% of the FMA peak a call, where 12 rows x 2 zmm (half the loads, twice the broadcasts) gave
+// 81-83%, 24 x 1 80-83%, 7 x 4 80-83%.
+constexpr int kNV = 4, kNR = 16 * kNV, kMR = 6;
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int kNR = 16, kMR = 6;  // 2 ymm x 6 rows: 12 accumulators of the 16 registers
 #else
 constexpr int kNR = 16, kMR = 4;  // portable C++, vectorised by the compiler
 #endif
-constexpr int64_t kKC = 256;  // k per block: a row tile's block of x is kMR x kKC floats (12 KB with AVX-512)
+constexpr int64_t kKC = 256;  // k per block: a row tile's block of x is kMR x kKC floats (6 KB with AVX-512)
 constexpr int64_t kNC = 256;  // columns per block: the widened panel is kKC x kNC floats (256 KB)
+static_assert(kNC % kNR == 0, "a block of columns is whole tiles: the panel holds kKC x kNC floats");
 
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
@@ -88,8 +92,8 @@ inline __m512 widen16(const uint16_t* w, int64_t k) {
 inline void pack_w(const uint16_t* w, int64_t K, int64_t n0, int64_t nc, int64_t k0, int64_t kc, float* bp) {
   const int64_t tiles = (nc + kNR - 1) / kNR;
 #if defined(__AVX512F__)
-  for (int64_t g = 0; g < 2 * tiles; ++g) {  // 16 rows at a time: a tile's two halves
-    float* out = bp + (g / 2) * kc * kNR + (g % 2) * 16;
+  for (int64_t g = 0; g < kNV * tiles; ++g) {  // 16 rows at a time: a tile's kNV parts
+    float* out = bp + (g / kNV) * kc * kNR + (g % kNV) * 16;
     const int64_t rows = std::clamp<int64_t>(nc - 16 * g, 0, 16);
     const uint16_t* wr = w + (n0 + 16 * g) * K + k0;
     for (int64_t k = 0; k < kc; k += 16) {
@@ -115,27 +119,25 @@ inline void pack_w(const uint16_t* w, int64_t K, int64_t n0, int64_t nc, int64_t
 template <int MR>
 inline void tile(const float* xp, const float* bp, int64_t kc, float* y, int64_t ldy, int64_t cols, bool add) {
 #if defined(__AVX512F__)
-  __m512 c0[MR], c1[MR];
-  for (int i = 0; i < MR; ++i) c0[i] = c1[i] = _mm512_setzero_ps();
+  __m512 c[MR][kNV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < kNV; ++v) c[i][v] = _mm512_setzero_ps();
   for (int64_t k = 0; k < kc; ++k) {
-    const __m512 b0 = _mm512_loadu_ps(bp + k * kNR), b1 = _mm512_loadu_ps(bp + k * kNR + 16);
-#pragma GCC unroll 12
+    __m512 b[kNV];
+    for (int v = 0; v < kNV; ++v) b[v] = _mm512_loadu_ps(bp + k * kNR + 16 * v);
+#pragma GCC unroll 24
     for (int i = 0; i < MR; ++i) {
       const __m512 a = _mm512_set1_ps(xp[k * kMR + i]);
-      c0[i] = _mm512_fmadd_ps(a, b0, c0[i]);
-      c1[i] = _mm512_fmadd_ps(a, b1, c1[i]);
+      for (int v = 0; v < kNV; ++v) c[i][v] = _mm512_fmadd_ps(a, b[v], c[i][v]);
     }
   }
-  const __mmask16 m0 = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
-  const __mmask16 m1 = static_cast<__mmask16>(cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1);
-  for (int i = 0; i < MR; ++i) {
-    float* yr = y + i * ldy;
-    if (add) {
-      c0[i] = _mm512_add_ps(c0[i], _mm512_maskz_loadu_ps(m0, yr));
-      c1[i] = _mm512_add_ps(c1[i], _mm512_maskz_loadu_ps(m1, yr + 16));
+  for (int v = 0; v < kNV; ++v) {
+    const int64_t n = std::clamp<int64_t>(cols - 16 * v, 0, 16);
+    const __mmask16 m = static_cast<__mmask16>((1u << n) - 1);
+    for (int i = 0; i < MR; ++i) {
+      float* yr = y + i * ldy + 16 * v;
+      _mm512_mask_storeu_ps(yr, m, add ? _mm512_add_ps(c[i][v], _mm512_maskz_loadu_ps(m, yr)) : c[i][v]);
     }
-    _mm512_mask_storeu_ps(yr, m0, c0[i]);
-    _mm512_mask_storeu_ps(yr + 16, m1, c1[i]);
   }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   __m256 c0[MR], c1[MR];
@@ -229,8 +231,8 @@ inline void linear_f16_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor y) {
 }
 
 // Up to this many rows of x the GEMV (gemv.h: W streamed once, widened in registers) is the faster, above it the
-// GEMM: measured on the 2-core EPYC (Zen 4) at N = 2048, K = 1024, one thread: 0.91 vs 0.95 ms at 8 rows, 1.42 vs
-// 1.11 at 12, 1.88 vs 1.31 at 16.
+// GEMM: measured on the 2-core EPYC (Zen 4) at N = 2048, K = 1024, one thread: GEMV 0.98 vs GEMM 1.06 ms at 8 rows,
+// 1.42 vs 1.22 at 12.
 constexpr int64_t kGemvRows = 8;
 
 // y = x @ w^T as above, through the faster kernel for M
