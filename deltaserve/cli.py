@@ -204,8 +204,13 @@ def cmd_serve(args):
     print(f"deltaserve: serving {name} on http://{args.host}:{args.port} (chat page at /)", file=sys.stderr)
     if spread:  # a lost rank ends the server as a signal would, and the exit below says why
         model.link.on_break = lambda error: os.kill(os.getpid(), signal.SIGTERM)
+    code = 0
     try:
         serve(app, args.host, args.port)
+    except SystemExit as e:  # SIGTERM
+        code = e.code
+    except KeyboardInterrupt:  # SIGINT
+        code = 130
     finally:  # every request was cancelled at the signal: the engine ends its step and stops
         stopped = engine.close(timeout=1 if not args.cache_dir else 10)
         if args.cache_dir and stopped:  # (only once the engine thread stopped: the checkpoints stand still)
@@ -213,6 +218,12 @@ def cmd_serve(args):
             print(f"deltaserve: prefix checkpoints saved in {args.cache_dir}", file=sys.stderr)
         if spread and model.link.error is not None:  # instead of the SystemExit of the signal it sent
             raise model.link.error
+    if spread:
+        sys.exit(code)  # the process group's own teardown runs
+    # Nothing is left to do: the interpreter's teardown (torch's, the kernels' module's) would add 1-2 s to the exit
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 1)
 
 
 def cmd_bench(args):

@@ -95,7 +95,9 @@ def test_ctrl_c_stops_the_reply_not_the_chat(tiny_gguf):
     proc = subprocess.Popen([sys.executable, "-m", "deltaserve.cli", "chat", str(tiny_gguf), "-n", "4000", "-c",
                              "4096", "--no-think", "--temperature", "0"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={"DELTASERVE_NO_PROGRESS": "1", "PATH": ""})
+                            env={"DELTASERVE_NO_PROGRESS": "1", "PATH": ""},
+                            # a shell's background job starts with SIGINT ignored, and Python keeps that
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         proc.stdin.write("Tell me a story\n")
         proc.stdin.flush()

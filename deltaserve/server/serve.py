@@ -13,8 +13,7 @@ import signal
 import uvicorn
 from fastapi import FastAPI
 
-GRACE_SECONDS = 2.0  # after which uvicorn cancels what still runs (a client that does not read its stream); the
-# interpreter's own exit (torch, the kernels' module) takes another 1-2 s on a shared 2-core machine
+GRACE_SECONDS = 2.0  # after which uvicorn cancels what still runs (a client that does not read its stream)
 
 
 class _Server(uvicorn.Server):

@@ -25,6 +25,12 @@ def assert_same_recurrent(state, slot, ref, ref_slot):
     assert int(state.lengths[slot]) == int(ref.lengths[ref_slot])
 
 
+def assert_close_logits(got, want):
+    """float32 logits of the same tokens computed in passes of other shapes: the kernels block their sums by the
+    pass's length, so they differ by float32 rounding, which grows with the logits' size (MoE ones reach ~4)."""
+    torch.testing.assert_close(got, want, atol=1e-5 * max(1.0, want.abs().max().item()), rtol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ARCHES)
 def test_rollback_to_each_position_equals_recompute(arch, loaded):
     model, _ = loaded(arch)
@@ -45,7 +51,7 @@ def test_rollback_to_each_position_equals_recompute(arch, loaded):
         got = model(torch.tensor([[t] for t in nxt]), rolled, slots)  # the KV cache was cut there too
         for row, (seq, n) in enumerate(zip(seqs, before)):
             want, _ = fresh(model, [seq[:n + T - back + 1]])
-            torch.testing.assert_close(got[row], want[0, -1], atol=1e-5, rtol=1e-5)
+            assert_close_logits(got[row], want[0, -1])
 
 
 @pytest.mark.parametrize("arch", ARCHES)
@@ -59,7 +65,7 @@ def test_save_and_restore_a_slot(arch, loaded):
     state.load_recurrent(1, saved)
     got = model(torch.tensor([seq[9:]]), state, [1], logits="all")
     want, ref = fresh(model, [seq])
-    torch.testing.assert_close(got[0], want[0, 9:], atol=1e-5, rtol=1e-5)
+    assert_close_logits(got[0], want[0, 9:])
     assert_same_recurrent(state, 1, ref, 0)
 
 

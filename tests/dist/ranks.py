@@ -268,31 +268,15 @@ def _micro_steps(model) -> list:
 def _engine_speculating(pipe, tokenizer, path: str, speculative: str):
     """Three requests decoding together, speculating, give the tokens each gives alone in one process; the
     engine's speculator (its counts)."""
-    import threading
-
     from deltaserve.engine.engine import Engine
-    from deltaserve.engine.request import Done
     from deltaserve.engine.sampling import SamplingParams
+    from tests.engine.runs import run_to_end
 
     prompts = [[11, 12, 13, 14, 15] * 5, [7, 8, 9] * 7, list(range(3, 26))]
     solo = LLM(path, max_len=128)
     want = [solo.generate(p, max_tokens=16, temperature=0, ignore_eos=True).token_ids for p in prompts]
     engine = Engine(pipe, tokenizer, n_slots=3, max_len=128, prefill_chunk=8, checkpoint_interval=16,
                     speculative=speculative, spec_tokens=3)
-    done, finished = {}, threading.Event()
-
-    def on_event(i):
-        def handle(event):
-            if isinstance(event, Done):
-                done[i] = event
-                if len(done) == len(prompts):
-                    finished.set()
-        return handle
-    try:
-        for i, p in enumerate(prompts):
-            engine.submit(p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), on_event(i))
-        assert finished.wait(120)
-    finally:
-        engine.close()
-    assert [done[i].token_ids for i in range(len(prompts))] == want, speculative
+    done = run_to_end(engine, prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert [d.token_ids for d in done] == want, speculative
     return engine.speculator

@@ -10,7 +10,6 @@ Then a rank that dies or hangs: rank 0 gets a DistributedError within the timeou
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,12 +28,7 @@ from deltaserve.models import load_model
 from . import ranks
 
 from tests.conftest import ARCHES
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.processes import free_port
 
 
 # tiny's shapes with head counts 2 divides (tiny has 3 key heads), still odd: hidden 96, K 32 != V 48,
@@ -59,7 +53,7 @@ def two_way(tmp_path_factory):
 @pytest.mark.parametrize("split", ["pp", "tp"])
 @pytest.mark.parametrize("arch", ARCHES)
 def test_two_ranks_match_one_process(arch, split, two_way):
-    mp.spawn(ranks.check_family, args=(str(two_way(arch)), _port(), split), nprocs=2)
+    mp.spawn(ranks.check_family, args=(str(two_way(arch)), free_port(), split), nprocs=2)
 
 
 def test_tensor_parallel_refuses_what_it_cannot_split(model_path, two_way):
@@ -82,7 +76,7 @@ def test_torchrun_runs_the_command_line_across_two_ranks(model_path, tmp_path):
     one = subprocess.run([sys.executable, "-m", "deltaserve", "run", *args], capture_output=True, text=True,
                          env=env, timeout=300)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                str(_port()), "-m", "deltaserve", "run", *args, "--pp", "2"]
+                str(free_port()), "-m", "deltaserve", "run", *args, "--pp", "2"]
     two = subprocess.run(torchrun, capture_output=True, text=True, env=env, timeout=300)
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
     assert two.stdout == one.stdout and len(one.stdout) > len("ROMEO:\n")
@@ -99,7 +93,7 @@ def test_without_torchrun_the_error_says_how_to_launch(model_path):
 def test_a_dead_or_hung_rank_gives_a_clear_error_within_the_timeout(how, model_path):
     timeout = 4.0
     ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), _port()
+    out, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=ranks.check_dead_rank, args=(r, str(model_path("qwen35")), port, how, timeout, out))
              for r in range(2)]
     for p in procs:
@@ -141,7 +135,7 @@ def test_gloo_is_there():
 @pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
 def test_micro_batches_give_the_unsplit_pass_and_one_process(arch, two_way, tmp_path):
     draft = make_model(arch, "tiny", "q8_0", tmp_path / "draft.gguf", seed=3, changes=EVEN_HEADS["qwen35"]).gguf_path
-    mp.spawn(ranks.check_micro_batches, args=(str(two_way(arch)), _port(), str(draft)), nprocs=2)
+    mp.spawn(ranks.check_micro_batches, args=(str(two_way(arch)), free_port(), str(draft)), nprocs=2)
 
 
 def test_micro_batches_without_a_pipeline_are_refused(model_path):

@@ -16,7 +16,7 @@ from openai import OpenAI
 
 from deltaserve.engine.llm import LLM
 
-from .test_pipeline import _port
+from tests.processes import free_port, wait_healthy
 
 
 @pytest.fixture
@@ -25,22 +25,16 @@ def two_ranks(model_path):
     procs = []
 
     def start(*options: str):
-        port = _port()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_port()),
+        port = free_port()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
                "-m", "deltaserve", "serve", str(model_path("qwen35")), "--port", str(port), "--pp", "2", *options]
         env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), DELTASERVE_NO_PROGRESS="1")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                 start_new_session=True)
         procs.append(proc)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    return proc, url
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        raise RuntimeError(f"the server did not start: {proc.stderr.read()[-3000:] if proc.poll() is not None else ''}")
+        wait_healthy(proc, url, 180)
+        return proc, url
 
     yield start
     for proc in procs:

@@ -9,7 +9,6 @@ that the drafts are made from the right tokens and hidden states and that accept
 from __future__ import annotations
 
 import re
-import threading
 
 import pytest
 import torch
@@ -17,9 +16,10 @@ import torch
 from deltaserve import convert
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.llm import LLM, load
-from deltaserve.engine.request import Done
 from deltaserve.engine.sampling import SamplingParams
 from deltaserve.errors import DeltaserveError
+
+from tests.engine.runs import run_to_end
 
 ARCHES = ("qwen35", "qwen35moe", "qwen3next")
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -100,23 +100,9 @@ def test_batched_mtp_requests_each_get_their_plain_output(arch, max_batch, mtp_p
     model, tokenizer = load(mtp_path(arch))
     engine = Engine(model, tokenizer, n_slots=3, max_len=128, prefill_chunk=8, checkpoint_interval=16,
                     speculative="mtp", spec_tokens=3, spec_max_batch=max_batch)
-    try:
-        done, finished = {}, threading.Event()
-
-        def on_event(i):
-            def handle(event):
-                if isinstance(event, Done):
-                    done[i] = event
-                    if len(done) == len(prompts):
-                        finished.set()
-            return handle
-
-        for i, p in enumerate(prompts):  # four requests over three slots: one waits, then reuses a slot
-            engine.submit(tokenizer.encode(p), SamplingParams(max_tokens=25, **GREEDY), on_event(i))
-        assert finished.wait(120)
-    finally:
-        engine.close()
-    assert [done[i].token_ids for i in range(len(prompts))] == want
+    # four requests over three slots: one waits, then reuses a slot
+    done = run_to_end(engine, [tokenizer.encode(p) for p in prompts], SamplingParams(max_tokens=25, **GREEDY))
+    assert [d.token_ids for d in done] == want
     assert engine.speculator.steps > 0
     assert (engine.scheduler.plain_steps > 0) == (max_batch is not None)  # three at once: no drafts
 

@@ -1,6 +1,5 @@
 """Speculative decoding: drafters, the acceptance rule, and greedy output identical to plain decoding."""
 
-import threading
 
 import pytest
 import torch
@@ -8,11 +7,11 @@ import torch
 from deltaserve.engine.speculative import NgramDrafter, accept
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.llm import DEFAULT_MODEL, LLM
-from deltaserve.engine.request import Done
 from deltaserve.engine.sampling import SamplingParams
 from deltaserve.errors import DeltaserveError
 
 from tests.conftest import ARCHES
+from tests.engine.runs import run_to_end
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -118,23 +117,8 @@ def test_batched_speculative_requests_each_get_their_plain_output(loaded, model_
     want = [solo.generate(p, max_tokens=25, **GREEDY).token_ids for p in prompts]
     engine = Engine(model, tokenizer, n_slots=3, max_len=128, prefill_chunk=8, checkpoint_interval=16,
                     speculative=str(model_path("qwen35moe", dtype="q8_0")), spec_tokens=3)
-    try:
-        done, finished = {}, threading.Event()
-
-        def on_event(i):
-            def handle(event):
-                if isinstance(event, Done):
-                    done[i] = event
-                    if len(done) == len(prompts):
-                        finished.set()
-            return handle
-
-        for i, p in enumerate(prompts):
-            engine.submit(tokenizer.encode(p), SamplingParams(max_tokens=25, **GREEDY), on_event(i))
-        assert finished.wait(60)
-    finally:
-        engine.close()
-    assert [done[i].token_ids for i in range(len(prompts))] == want
+    done = run_to_end(engine, [tokenizer.encode(p) for p in prompts], SamplingParams(max_tokens=25, **GREEDY), 60)
+    assert [d.token_ids for d in done] == want
     assert engine.speculator.steps > 0 and engine.metrics.decode_tokens == sum(len(w) for w in want) - len(want)
 
 

@@ -1,5 +1,4 @@
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -14,13 +13,9 @@ from deltaserve.engine.engine import Engine
 from deltaserve.engine.llm import load
 from deltaserve.server.app import create_app
 
+from tests.processes import free_port, wait_healthy
+
 API_KEY = "test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LiveServer:
@@ -149,14 +144,8 @@ def spawn(tiny_gguf):
                                 env={**os.environ, "DELTASERVE_NO_PROGRESS": "1"})
         procs.append(proc)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    return proc, url
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise RuntimeError(f"the server did not start: {proc.stderr.read() if proc.poll() is not None else ''}")
+        wait_healthy(proc, url, 120)
+        return proc, url
 
     yield start
     for proc in procs:

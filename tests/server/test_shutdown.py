@@ -70,8 +70,8 @@ def test_a_signal_ends_every_stream_and_exits_within_5s(serve, sig):
 
 
 @pytest.mark.parametrize("second_signal", [False, True], ids=["one_signal", "two_signals"])
-def test_a_client_that_sends_half_a_body_delays_the_exit_3s_at_most(serve, second_signal):
-    """Its connection stays open and the server waits for it, for at most 3 s; a second signal stops the
+def test_a_client_that_sends_half_a_body_delays_the_exit_2s_at_most(serve, second_signal):
+    """Its connection stays open and the server waits for it, for at most 2 s (GRACE_SECONDS); a second signal stops the
     wait at once."""
     proc, url = serve()
     with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as stuck:
