@@ -125,7 +125,7 @@ inline void tile(const float* xp, const float* bp, int64_t kc, float* y, int64_t
   for (int64_t k = 0; k < kc; ++k) {
     __m512 b[kNV];
     for (int v = 0; v < kNV; ++v) b[v] = _mm512_loadu_ps(bp + k * kNR + 16 * v);
-#pragma GCC unroll 24
+#pragma GCC unroll 6
     for (int i = 0; i < MR; ++i) {
       const __m512 a = _mm512_set1_ps(xp[k * kMR + i]);
       for (int v = 0; v < kNV; ++v) c[i][v] = _mm512_fmadd_ps(a, b[v], c[i][v]);
