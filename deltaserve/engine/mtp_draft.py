@@ -2,10 +2,10 @@
 
 The layer's KV cache and the trunk's last hidden state live in the runner's own state, one more entry after
 the trunk's layers, which every forward pass extends and every rollback, reset and prefix checkpoint keeps
-in step with the trunk. Drafting reads that state: the first draft token comes from the trunk's hidden state
-after the slot's last token and the pending token, each further one from the layer's own output and the
-token it just drafted (k = 1..4 chained steps, one batched MTP pass per step over every drafting slot). The
-draft steps write the layer's cache at the drafted positions, which the verifying pass writes again.
+in step with the trunk. Drafting reads that state (models/mtp.draft): the first draft token comes from the trunk's
+hidden state after the slot's last token and the pending token, each further one from the layer's own output and
+the token it just drafted (k = 1..4 chained steps over every drafting slot, in one C++ call where the model has
+one). The draft steps write the layer's cache at the drafted positions, which the verifying pass writes again.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from deltaserve.errors import DeltaserveError
-from deltaserve.models.mtp import draft_step, has_mtp
+from deltaserve.models.mtp import draft, has_mtp
 
 
 class MTPDrafter:
@@ -33,19 +33,8 @@ class MTPDrafter:
             if int(state.lengths[s]) != len(ctx) - 1:
                 raise DeltaserveError(f"mtp drafter: slot {s} holds {int(state.lengths[s])} tokens, but its "
                                       f"context has {len(ctx)}")
-        with torch.inference_mode():
-            rows = torch.tensor(slots, dtype=torch.long)
-            hidden = state.conv[len(model.layers)][rows]  # [N, 1, E] the trunk's after each slot's last token
-            tokens = torch.tensor([[ctx[-1]] for ctx in contexts], dtype=torch.long)  # [N, 1]
-            drafts: list[list[int]] = [[] for _ in slots]
-            for step in range(max(ks, default=0)):
-                live = torch.tensor([i for i, k in enumerate(ks) if k > step], dtype=torch.long)
-                logits, g = draft_step(model, state, rows[live], tokens[live], hidden[live], step)
-                best = logits.argmax(-1)
-                tokens[live, 0], hidden[live] = best.to(tokens.device), g.to(hidden.dtype)
-                for i, token in zip(live.tolist(), best.tolist()):
-                    drafts[i].append(token)
-        return drafts
+        ids = torch.tensor([ctx[-1] for ctx in contexts], dtype=torch.long)
+        return draft(model, state, torch.tensor(slots, dtype=torch.long), ids, ks)
 
     def reset(self, slots: list[int]) -> None:
         pass  # it keeps nothing of its own: its cache is the runner's state

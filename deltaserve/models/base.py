@@ -146,8 +146,8 @@ class HybridModel(nn.Module, ABC):
     def run_layers(self, h: torch.Tensor, rope, state: HybridState | None, slots, start, snaps: Snapshots | None,
                    layers: range) -> torch.Tensor:
         """Hidden states h [N, T, E] through layers `layers` (all of them, or a pipeline stage's own)."""
-        if state is not None and snaps is None:
-            stepped = self.decode_step(h, rope, state, slots, start, layers)
+        if state is not None:
+            stepped = self.decode_step(h, rope, state, slots, start, layers, snaps)
             if stepped is not None:
                 return stepped
         for i in layers:
@@ -167,8 +167,18 @@ class HybridModel(nn.Module, ABC):
         return h
 
 
-    def decode_step(self, h: torch.Tensor, rope, state: HybridState, slots, start, layers: range) -> torch.Tensor | None:
-        """run_layers in one C++ call where the family has one and this step is its case (None: the modules run)."""
+    def decode_step(self, h: torch.Tensor, rope, state: HybridState, slots, start, layers: range,
+                    snaps: Snapshots | None = None) -> torch.Tensor | None:
+        """run_layers in one C++ call where the family has one and this step (or verify pass keeping snapshots)
+        is its case (None: the modules run)."""
+        return None
+
+    def mtp_follow(self, ids, before, rope, k_cache, v_cache, slots, start) -> bool:
+        """models/mtp.follow's cache writes in one call where the family has one (False: the modules run)."""
+        return False
+
+    def mtp_draft(self, state: HybridState, slots, ids, hidden, ks: list[int]) -> list[list[int]] | None:
+        """models/mtp.draft's chained drafts in one call where the family has one (None: the modules run)."""
         return None
 
 

@@ -17,9 +17,10 @@ from deltaserve.models import packed
 from deltaserve.ops import attention as attention_op
 from deltaserve.ops import fused
 
-# Up to this many rows a Q8_0 weight (float32 activations) goes through a fused GEMV (decode: the weight streams
-# from memory once and is widened in registers); above it a float32 GEMM on the widened weight is faster. A float16
-# weight always goes through one C++ call, which picks its GEMV or its GEMM by the rows (ops/csrc/f16gemm.h).
+# Up to this many rows a float16 or Q8_0 weight goes through a fused GEMV (decode: the weight streams from memory
+# once and is widened in registers; a row's result is the same bits whatever the batch, as speculative verify
+# needs); above it a float16 weight goes through our GEMM (ops/csrc/f16gemm.h), a Q8_0 one (float32 activations)
+# through a float32 GEMM on the widened weight.
 _GEMV_ROWS = 16
 Q8_BLOCK = 32  # weights per scale in a Q8_0 row
 # Q8_0 weights multiply activations rounded per 32 to Q8_0, as llama.cpp does on these files (its speed and its
@@ -48,8 +49,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
         if weight.dtype == torch.int8:
             fused.extension().linear_q8(rows.contiguous(), weight, weight.scale, y)
-        else:  # the GEMV for a few rows, else our GEMM on the weight as stored (ops/csrc/f16gemm.h)
+        elif rows.shape[0] <= _GEMV_ROWS:
             fused.extension().linear_f16(rows.contiguous(), weight.contiguous(), y)
+        else:  # prefill: our GEMM on the weight as stored (ops/csrc/f16gemm.h)
+            fused.extension().linear_f16_gemm(rows.contiguous(), weight.contiguous(), y)
         y = y.view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias.to(y.dtype)
     step = max(64, _DEQUANT_BYTES // (x.element_size() * weight.shape[1]))  # output rows per block

@@ -87,7 +87,8 @@ def follow(model, ids: torch.Tensor, h: torch.Tensor, rope, state: HybridState, 
     snapshots, and the hidden state after each token is one (the tape [before | h], as a conv tape)."""
     i = len(model.layers)
     tape = torch.cat([state.conv[i][slots].to(h.dtype), h], dim=1)  # [N, 1+T, E]
-    model.mtp(model, ids, tape[:, :-1], rope, state.k[i], state.v[i], slots, start, kv_only=True)
+    if not model.mtp_follow(ids, tape[:, :-1], rope, state.k[i], state.v[i], slots, start):
+        model.mtp(model, ids, tape[:, :-1], rope, state.k[i], state.v[i], slots, start, kv_only=True)
     state.conv[i][slots] = h[:, -1:].to(state.conv[i].dtype)
     if snaps is not None:
         snaps.conv[i] = tape
@@ -104,6 +105,28 @@ def draft_step(model, state: HybridState, slots: torch.Tensor, ids: torch.Tensor
         g = model.mtp(model, ids.to(model.embed.weight.device), hidden, model.rope(start[:, None]), state.k[i],
                       state.v[i], slots, start)
         return lm_logits(model, g[:, -1]), g
+
+
+def draft(model, state: HybridState, slots: torch.Tensor, ids: torch.Tensor, ks: list[int]) -> list[list[int]]:
+    """Greedy chained drafts: ks[n] tokens to follow ids [N] (each slot's pending token, the one after its last
+    cached token), the first from the trunk's hidden state after that token, each next from the layer's own
+    output and the token it just drafted. Writes the MTP cache at the drafted positions (the verifying pass
+    writes those rows again). One call where the family has one, else a draft_step per step."""
+    with torch.inference_mode():
+        hidden = state.conv[len(model.layers)][slots]  # [N, 1, E]
+        fast = model.mtp_draft(state, slots, ids, hidden[:, 0], ks)
+        if fast is not None:
+            return fast
+        tokens = ids[:, None].clone()  # [N, 1]
+        drafts: list[list[int]] = [[] for _ in ks]
+        for step in range(max(ks, default=0)):
+            live = torch.tensor([i for i, k in enumerate(ks) if k > step], dtype=torch.long)
+            logits, g = draft_step(model, state, slots[live], tokens[live], hidden[live], step)
+            best = logits.argmax(-1)
+            tokens[live, 0], hidden[live] = best.to(tokens.device), g.to(hidden.dtype)
+            for i, token in zip(live.tolist(), best.tolist()):
+                drafts[i].append(token)
+        return drafts
 
 
 def sequence_logits(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

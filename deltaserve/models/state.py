@@ -163,6 +163,8 @@ class HybridState:
             raise DeltaserveError(f"rollback: slot {slot} can go back to lengths {oldest}..{end} (now at {now}), "
                                   f"not {length}")
         back = end - length  # snapshot index: 0 is the state after the pass's last token
+        if back == 0 and now == end:  # every token kept and the slot not moved since: its state is the pass's own
+            return
         T = snaps.tokens
         for mine, tape in zip(self.conv, snaps.conv):  # after token t: the W-1 inputs ending at t
             if mine is not None:

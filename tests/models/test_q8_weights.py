@@ -149,3 +149,23 @@ def test_q8_0_model_matches_llama_cpp(arch, tmp_path, monkeypatch):
         top2 = np.sort(logits)[-2:]
         assert (top2[1] - top2[0]) / logits.std() < 5e-2, f"greedy text parts at token {at} with a clear margin"
     ref.close()
+
+
+@pytest.mark.skipif(not fused.available(), reason="the C++ kernels are not built here")
+@pytest.mark.parametrize("K", [37, 96, 200, 1000])
+def test_float16_kernel_rows_do_not_depend_on_how_many_come_together(K):
+    """Each activation row of linear_f16 is the float64 product, and bit for bit the row alone: a speculative
+    verify pass (a few rows) then gives the plain decode step's (one row) logits, so greedy drafts are judged
+    against exactly what plain decoding would pick."""
+    w = torch.randn(53, K).half()
+    x = torch.randn(13, K)
+    alone = torch.cat([_f16(x[m:m + 1], w) for m in range(13)])
+    torch.testing.assert_close(alone.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5)
+    for M in (2, 3, 5, 8, 9, 13):  # up to 8 rows per pass over a weight row, then another pass
+        assert torch.equal(_f16(x[:M], w), alone[:M]), M
+
+
+def _f16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    y = torch.empty(x.shape[0], w.shape[0])
+    fused.extension().linear_f16(x.contiguous(), w, y)
+    return y

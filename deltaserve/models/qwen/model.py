@@ -129,8 +129,14 @@ class QwenModel(HybridModel):
         cos, sin = rope
         return layer.mixer(x, cos, sin, k_cache, v_cache, slots, start)
 
-    def decode_step(self, h, rope, state, slots, start, layers):
-        return plan.step(self, h, rope, state, slots, start, layers)
+    def decode_step(self, h, rope, state, slots, start, layers, snaps=None):
+        return plan.step(self, h, rope, state, slots, start, layers, snaps)
+
+    def mtp_follow(self, ids, before, rope, k_cache, v_cache, slots, start):
+        return plan.mtp_follow(self, ids, before, rope, k_cache, v_cache, slots, start)
+
+    def mtp_draft(self, state, slots, ids, hidden, ks):
+        return plan.mtp_draft(self, state, slots, ids, hidden, ks)
 
     # -- the checkpoint contract --------------------------------------------------------------------
 

@@ -4,8 +4,16 @@ on a 24-layer model on a 2-core EPYC, where a 0.8B Q4_K_M decode step takes 20-3
 
 It applies where every layer is a Gated DeltaNet or gated attention layer with a dense SwiGLU MLP, float32
 activations on CPU with the C++ kernels built, every matmul weight in a form its kernels read without bias, float32
-recurrent caches and a KV cache the attention step kernel reads; elsewhere (MoE layers, snapshots, prefill, long
-spans split across threads, training) the modules run. The plan is built once per range of layers.
+recurrent caches and a KV cache the attention step kernel reads; elsewhere (MoE layers, prefill, long spans split
+across threads, training) the modules run. A speculative verify pass (a few tokens per sequence, keeping per-token
+snapshots for rollback) runs through the same plan: on a 7.5M-parameter model the modules' Python made it cost ten
+plain steps. The plan is built once per range of layers.
+
+The MTP layer (models/mtp.py) has a plan of its own (MTPPlan): k chained greedy drafts in one call, and the keys and
+values a trunk pass leaves in its cache without its attention output (through the modules a draft step cost ~50
+small torch ops, 0.3 ms on the embedded model where its arithmetic takes a fifth of that). It applies where the
+layer's feed-forward is a dense MLP and the embedding float32 or float16; elsewhere (qwen35moe's MoE layer,
+quantised embeddings) models/mtp.py runs the modules, with the same drafts.
 """
 
 from __future__ import annotations
@@ -14,16 +22,19 @@ import torch
 
 from deltaserve.models import layers as layer_ops
 from deltaserve.models import packed
-from deltaserve.models.layers import _STEP_CACHE_DTYPES, MLP, _split_decode, q8_int8
+from deltaserve.models.layers import _GEMV_ROWS, _STEP_CACHE_DTYPES, MLP, _split_decode, q8_int8
 from deltaserve.ops import fused
 
 _NONE = torch.empty(0)  # a layer's missing cache or gather
 
 
-def step(model, h: torch.Tensor, rope, state, slots: torch.Tensor, start: torch.Tensor, layers: range):
-    """h [N, 1, E] through `layers` in one call, or None where the plan does not apply."""
+def step(model, h: torch.Tensor, rope, state, slots: torch.Tensor, start: torch.Tensor, layers: range, snaps=None):
+    """h [N, 1, E] through `layers` in one call, or None where the plan does not apply. snaps (models/state.py
+    Snapshots): a verify pass, h [N, T, E] with T <= the GEMV rows in all, that also keeps each recurrent layer's
+    conv tape and delta-rule states there for rollback."""
     N, T, E = h.shape
-    if T != 1 or h.dtype != torch.float32 or not h.is_cpu or not fused.available():
+    if (T != 1 and (snaps is None or N * T > _GEMV_ROWS)) or h.dtype != torch.float32 or not h.is_cpu \
+            or not fused.available():
         return None
     plan = _plan(model, layers)
     if plan is None:
@@ -38,12 +49,18 @@ def step(model, h: torch.Tensor, rope, state, slots: torch.Tensor, start: torch.
         else:
             k, v = state.k[i], state.v[i]
             if (k.dtype not in _STEP_CACHE_DTYPES or v.dtype != k.dtype or not k.is_cpu
-                    or _split_decode(N * model.layers[i].mixer.num_kv_heads, start)):
+                    or (T == 1 and _split_decode(N * model.layers[i].mixer.num_kv_heads, start))):
                 return None
             conv.append(_NONE), ssm.append(_NONE), keys.append(k), values.append(v)
-    cos, sin = (_NONE, _NONE) if rope is None else (t.reshape(N, -1).contiguous() for t in rope)  # None: no attention
-    out = plan.step(h.reshape(N, E).clone(), slots, start, cos, sin, conv, ssm, keys, values)
-    return out.view(N, 1, E)
+    cos, sin = (_NONE, _NONE) if rope is None else (t.reshape(N * T, -1).contiguous() for t in rope)  # None: no attention
+    rows = h.reshape(N * T, E).clone()
+    if snaps is None:
+        return plan.step(rows, slots, start, cos, sin, conv, ssm, keys, values).view(N, 1, E)
+    out, tapes, kept = plan.verify(rows, T, slots, start, cos, sin, conv, ssm, keys, values, snaps.depth)
+    for j, i in enumerate(layers):
+        if model.layers[i].recurrent:
+            snaps.conv[i], snaps.ssm[i] = tapes[j], kept[j]
+    return out.view(N, T, E)
 
 
 def _plan(model, layers: range):
@@ -52,15 +69,14 @@ def _plan(model, layers: range):
     plans = model.__dict__.setdefault("_decode_plans", {})
     key = (layers.start, layers.stop, packed.INT8_ACTIVATIONS, layer_ops.Q8_INT8_ACTIVATIONS)
     if key not in plans:
-        plans[key] = _build(model, layers)
+        plans[key] = _build_layers(fused.extension(), [model.layers[i] for i in layers])
     return plans[key]
 
 
-def _build(model, layers: range):
-    ext = fused.extension()
+def _build_layers(ext, layers: list):
+    """A DecodePlan of these decoder layers, or None where one is not the plan's case."""
     plan = ext.DecodePlan()
-    for i in layers:
-        layer = model.layers[i]
+    for layer in layers:
         if not isinstance(layer.ffn, MLP):
             return None
         mixer, norms = layer.mixer, (layer.input_norm.weight, layer.post_norm.weight)
@@ -81,9 +97,11 @@ def _build(model, layers: range):
 
 def _linear(ext, module):
     """The C++ LinearRef of a Linear module's weight (kinds as plan.h numbers them), or None."""
-    w = module.weight
-    if module.bias is not None:
-        return None
+    return None if module.bias is not None else _weight_ref(ext, module.weight)
+
+
+def _weight_ref(ext, w: torch.Tensor):
+    """The C++ LinearRef of x @ w.T for a weight in any form linear() reads, or None where the plan has no kernel."""
     if packed.is_packed(w):
         pk = w.packing
         index = _NONE.long() if pk.x_index is None else pk.x_index
@@ -94,3 +112,66 @@ def _linear(ext, module):
     if w.dtype in (torch.float16, torch.float32) and w.is_contiguous():
         return ext.LinearRef(2 if w.dtype == torch.float16 else 3, w, _NONE, _NONE.long(), N, K)
     return None
+
+
+def mtp_follow(model, ids: torch.Tensor, before: torch.Tensor, rope, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           slots: torch.Tensor, start: torch.Tensor) -> bool:
+    """The MTP layer's keys and values for ids [N, T] after normed hidden states before [N, T, E] (each token's
+    predecessor's), at positions start..; False where the plan does not apply (nothing written)."""
+    N, T, E = before.shape
+    if N * T > _GEMV_ROWS or not _applies(before, k_cache, v_cache):
+        return False
+    plan = _mtp_plan(model)
+    if plan is None:
+        return False
+    cos, sin = (t.reshape(N * T, -1).contiguous() for t in rope)
+    plan.follow(ids.reshape(-1).contiguous(), before.reshape(N * T, E).contiguous(), T, slots, start, cos, sin,
+                k_cache, v_cache)
+    return True
+
+
+def mtp_draft(model, state, slots: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor,
+          ks: list[int]) -> list[list[int]] | None:
+    """ks[n] greedy chained drafts after ids [N] (each slot's pending token) from hidden [N, E] (the trunk's normed
+    state after the slot's last token), writing the MTP cache at the drafted positions; None where the plan does
+    not apply."""
+    i = len(model.layers)
+    k_cache, v_cache = state.k[i], state.v[i]
+    if len(ks) > _GEMV_ROWS or not _applies(hidden, k_cache, v_cache):
+        return None
+    plan = _mtp_plan(model)
+    if plan is None:
+        return None
+    start = state.lengths[slots]
+    cos, sin = model.rope(start[:, None] + torch.arange(max(ks), device=start.device))  # [N, k, rot]
+    out = plan.draft(ids.contiguous(), hidden.float().contiguous(), slots, start.contiguous(), cos.contiguous(),
+                     sin.contiguous(), k_cache, v_cache, ks)
+    return [row[:k] for row, k in zip(out.tolist(), ks)]
+
+
+def _applies(x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return (x.dtype == torch.float32 and x.is_cpu and k_cache.dtype in _STEP_CACHE_DTYPES and v_cache.dtype == k_cache.dtype
+            and k_cache.is_cpu and fused.available())
+
+
+def _mtp_plan(model):
+    """The model's MTPPlan (built at first use, keyed like the decode plans by the activations' rounding), or None."""
+    plans = model.__dict__.setdefault("_decode_plans", {})
+    key = ("mtp", packed.INT8_ACTIVATIONS, layer_ops.Q8_INT8_ACTIVATIONS)
+    if key not in plans:
+        plans[key] = _build_mtp(model)
+    return plans[key]
+
+
+def _build_mtp(model):
+    mtp, ext = model.mtp, fused.extension()
+    embed = model.embed.weight
+    if (mtp is None or packed.is_packed(embed) or embed.dtype not in (torch.float16, torch.float32)
+            or not embed.is_contiguous() or len({mtp.enorm.eps, mtp.hnorm.eps, mtp.norm.eps}) != 1):
+        return None
+    layer = _build_layers(ext, [mtp.layer])
+    head = _weight_ref(ext, embed if model.lm_head is None else model.lm_head.weight)
+    fc = None if mtp.fc.bias is not None else _weight_ref(ext, mtp.fc.weight)
+    if layer is None or head is None or fc is None:
+        return None
+    return ext.MTPPlan(embed, mtp.enorm.weight, mtp.hnorm.weight, mtp.enorm.eps, fc, layer, mtp.norm.weight, head)

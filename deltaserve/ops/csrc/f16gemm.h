@@ -19,7 +19,6 @@
 #include <memory>
 #include <vector>
 
-#include "gemv.h"
 #include "shares.h"
 
 namespace deltaserve {
@@ -228,18 +227,6 @@ inline void linear_f16_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor y) {
     return;
   }
   gemm(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr<at::Half>()), y.data_ptr<float>(), M, N, K);
-}
-
-// Up to this many rows of x the GEMV (gemv.h: W streamed once, widened in registers) is the faster, above it the
-// GEMM: measured on the 2-core EPYC (Zen 4) at N = 2048, K = 1024, one thread: GEMV 0.98 vs GEMM 1.06 ms at 8 rows,
-// 1.42 vs 1.22 at 12.
-constexpr int64_t kGemvRows = 8;
-
-// y = x @ w^T as above, through the faster kernel for M
-inline void linear(torch::Tensor x, torch::Tensor w, torch::Tensor y) {
-  if (x.size(0) > kGemvRows) return linear_f16_gemm(x, w, y);
-  check_args(x, w, y);
-  linear_f16(x, w, y);
 }
 
 }  // namespace f16

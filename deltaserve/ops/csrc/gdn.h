@@ -18,9 +18,12 @@ namespace deltaserve {
 // grouped; conv_weight [C, W] (C = 2 H K + HV V); conv_state [S, W-1, C] and ssm_state [S, HV, K, V] float32
 // contiguous caches, sequence n in row slots[n] (distinct); A, dt_bias [HV]; norm_weight [V].
 // Returns o [N, T, HV V] (the out projection's input); proj's q | k | v columns hold the conv's output after.
-torch::Tensor gdn_core(torch::Tensor proj, torch::Tensor conv_weight, torch::Tensor conv_state, torch::Tensor slots,
-                       torch::Tensor A, torch::Tensor dt_bias, torch::Tensor ssm_state, torch::Tensor norm_weight,
-                       double eps, int64_t H) {
+// For rollback (a verify pass), where defined: tape [N, W-1+T, C] gets the conv state before the pass, then the
+// conv's inputs (the conv state after token t is rows t+1 .. t+W-1), and snaps [N, depth, HV, K, V] the delta-rule
+// states after each of the last `depth` tokens, newest first.
+torch::Tensor gdn_core_kept(torch::Tensor proj, torch::Tensor conv_weight, torch::Tensor conv_state, torch::Tensor slots,
+                            torch::Tensor A, torch::Tensor dt_bias, torch::Tensor ssm_state, torch::Tensor norm_weight,
+                            double eps, int64_t H, torch::Tensor tape, torch::Tensor snaps) {
   auto f32 = [](const torch::Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(); };
   TORCH_CHECK(f32(proj) && proj.dim() == 3 && f32(conv_weight) && f32(conv_state) && f32(ssm_state) && f32(A) &&
                   f32(dt_bias) && f32(norm_weight) && ssm_state.dim() == 4 && conv_state.dim() == 3,
@@ -44,6 +47,16 @@ torch::Tensor gdn_core(torch::Tensor proj, torch::Tensor conv_weight, torch::Ten
 
   const torch::Tensor tokens = proj.view({N * T, D});
   const torch::Tensor qkv = tokens.narrow(1, 0, C);
+  if (tape.defined()) {  // before the conv overwrites its input
+    const int64_t W1 = conv_state.size(1);
+    TORCH_CHECK(tape.scalar_type() == at::kFloat && tape.dim() == 3 && tape.size(0) == N && tape.size(1) == W1 + T &&
+                    tape.size(2) == C, "gdn_core: tape must be float32 [N, W-1+T, C]");
+    for (int64_t n = 0; n < N; ++n) tape[n].narrow(0, 0, W1).copy_(conv_state[rows[n]]);
+    tape.narrow(1, W1, T).copy_(proj.narrow(2, 0, C));
+  }
+  TORCH_CHECK(!snaps.defined() || (snaps.scalar_type() == at::kFloat && snaps.is_contiguous() && snaps.dim() == 5 &&
+                                   snaps.size(0) == N && snaps.size(2) == HV && snaps.size(3) == K && snaps.size(4) == V),
+              "gdn_core: snaps must be float32 contiguous [N, depth, HV, K, V]");
   conv_forward(qkv, conv_weight, torch::Tensor(), conv_state, cu_t, slots, qkv, true);
 
   // the gates through the same ATen ops as the modules' torch expression, so both paths give the same bits
@@ -54,11 +67,18 @@ torch::Tensor gdn_core(torch::Tensor proj, torch::Tensor conv_weight, torch::Ten
   const torch::Tensor k = proj.narrow(2, H * K, H * K).unflatten(2, {H, K});
   const torch::Tensor v = proj.narrow(2, 2 * H * K, HV * V).unflatten(2, {HV, V});
   torch::Tensor o = at::empty({N, T, HV, V}, at::TensorOptions().dtype(at::kFloat));
-  gdr_run(q, k, v, g, beta, ssm_state, cu.data(), N, rows, o, torch::Tensor(), 1.0 / std::sqrt(static_cast<double>(K)), true);
+  gdr_run(q, k, v, g, beta, ssm_state, cu.data(), N, rows, o, snaps, 1.0 / std::sqrt(static_cast<double>(K)), true);
 
   const torch::Tensor z = tokens.narrow(1, C, HV * V).unflatten(1, {HV, V});  // [tokens, HV, V]
   rms_norm(o, norm_weight, eps, o, z, 1);
   return o.view({N, T, HV * V});
+}
+
+torch::Tensor gdn_core(torch::Tensor proj, torch::Tensor conv_weight, torch::Tensor conv_state, torch::Tensor slots,
+                       torch::Tensor A, torch::Tensor dt_bias, torch::Tensor ssm_state, torch::Tensor norm_weight,
+                       double eps, int64_t H) {
+  return gdn_core_kept(proj, conv_weight, conv_state, slots, A, dt_bias, ssm_state, norm_weight, eps, H,
+                       torch::Tensor(), torch::Tensor());
 }
 
 }  // namespace deltaserve

@@ -3,7 +3,8 @@
 // f16gemm.h (the prefill GEMM of float16 weights),
 // kquants.h (packed GGML blocks: decoders, rows to float32) and kquants_avx512.h, packed.h (decode GEMV and rows to float32 on them),
 // int8dot.h, int8gemv.h, int8gemm.h and panels.h (integer dot products of K-quant blocks; int8q8.h of Q8_0 ones with activations rounded to int8), probe.h (peaks),
-// attention.h (tiled attention over the KV cache for long spans), plan.h (a decode step through dense layers).
+// attention.h (tiled attention over the KV cache for long spans), plan.h (a decode step or verify pass through dense
+// layers, and the MTP layer's drafts).
 #include "attention.h"
 #include "conv.h"
 #include "delta_rule.h"
@@ -24,8 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdr_inplace", &deltaserve::gdr_inplace, "the common in-place call, checked in C++; None for any other");
   m.def("gdn_core", &deltaserve::gdn_core, "a GDN layer's conv, gates, delta rule and gated norm at inference (CPU)");
   m.def("conv_forward", &deltaserve::conv_forward, "short causal depthwise conv with state (CPU, float32)");
-  m.def("linear_f16", &deltaserve::f16::linear, "float32 activations times float16 weights: the GEMV for a few rows, else the GEMM (CPU)");
-  m.def("linear_f16_gemm", &deltaserve::f16::linear_f16_gemm, "float32 activations times float16 weights through the GEMM whatever the rows (CPU)");
+  m.def("linear_f16", &deltaserve::linear_f16, "float32 activations times float16 weights, decode GEMV (CPU)");
+  m.def("linear_f16_gemm", &deltaserve::f16::linear_f16_gemm, "float32 activations times float16 weights, prefill GEMM (CPU)");
   m.def("linear_f16_gemm_shares", [](torch::Tensor x, torch::Tensor w, torch::Tensor y) {
           return deltaserve::timed_shares([&] { deltaserve::f16::linear_f16_gemm(x, w, y); });
         }, "linear_f16_gemm with each thread's (outputs, seconds) of its fastest unit, for the benchmark");
@@ -59,7 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("probe_read", &deltaserve::probe_read, "bytes read per second, all threads (buf, reps)");
   m.def("packed_rows", &deltaserve::kq::packed_rows, "rows of packed GGML blocks dequantised to float32 (CPU)");
 
-  // plan.h: a decode step through dense Qwen layers in one call
+  // plan.h: a decode step or verify pass through dense Qwen layers in one call, and the MTP layer's drafts
   deltaserve::bind_plan(m);
 
   // attention.h

@@ -2,15 +2,18 @@
 // C++ call: the same kernels as the modules' forward (rms_norm, the GEMVs of each weight's form, gdn_core,
 // attention_step, silu_mul), without the ~1,300 small torch ops and their Python a step costs through the modules
 // (3-4 ms a token on a 24-layer model, measured on a 2-core EPYC: a fifth of a 0.8B model's decode). The plan holds
-// the layers' weights, built once from the modules (models/qwen/model.py); a step passes the caches.
+// the layers' weights, built once from the modules (models/qwen/model.py); a step passes the caches. The same plan
+// runs a speculative verify pass (a few tokens per sequence, keeping per-token states for rollback), and MTPPlan
+// below the model's MTP layer.
 #pragma once
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
 #include <cmath>
+#include <tuple>
 #include <vector>
 
-#include "f16gemm.h"
+#include "attention.h"
 #include "gdn.h"
 #include "gemv.h"
 #include "int8gemm.h"
@@ -39,7 +42,7 @@ struct LinearRef {
     switch (kind) {
       case kInt8Packed: kq::linear_int8(x, w, aux, y); break;
       case kQ8: q8::linear_q8_int8(x, w, aux, y); break;
-      case kF16: f16::linear(x, w, y); break;
+      case kF16: linear_f16(x, w, y); break;
       case kF32: at::mm_out(y, x, w.t()); break;
       case kPacked: kq::linear_packed(x, w, aux, y); break;
     }
@@ -78,43 +81,211 @@ class DecodePlan {
   torch::Tensor step(torch::Tensor h, torch::Tensor slots, torch::Tensor start, torch::Tensor cos, torch::Tensor sin,
                      const std::vector<torch::Tensor>& conv, const std::vector<torch::Tensor>& ssm,
                      const std::vector<torch::Tensor>& k_cache, const std::vector<torch::Tensor>& v_cache) {
-    const size_t L = layers_.size();
-    TORCH_CHECK(conv.size() == L && ssm.size() == L && k_cache.size() == L && v_cache.size() == L,
-                "DecodePlan.step: one cache entry per layer");
-    TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(), "DecodePlan.step: h must be float32 [N, E]");
-    const int64_t N = h.size(0);
-    const torch::Tensor none = at::empty({0}, at::TensorOptions().dtype(at::kFloat));
+    return run(h, 1, slots, start, cos, sin, conv, ssm, k_cache, v_cache, 0, nullptr, nullptr);
+  }
+
+  // A verify pass: h [N * T, E], T tokens per sequence (token t of sequence n in row n T + t, at position
+  // start[n] + t), cos, sin [N * T, rot]. Also keeps what rollback reads, per layer (None on attention layers):
+  // the conv tape [N, W-1+T, C] and the delta-rule states after each of the last `depth` tokens [N, depth, HV, K, V].
+  std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>> verify(
+      torch::Tensor h, int64_t T, torch::Tensor slots, torch::Tensor start, torch::Tensor cos, torch::Tensor sin,
+      const std::vector<torch::Tensor>& conv, const std::vector<torch::Tensor>& ssm,
+      const std::vector<torch::Tensor>& k_cache, const std::vector<torch::Tensor>& v_cache, int64_t depth) {
+    TORCH_CHECK(T >= 1 && depth >= 1, "DecodePlan.verify: T and depth must be >= 1");
+    std::vector<torch::Tensor> tapes(layers_.size()), snaps(layers_.size());
+    h = run(h, T, slots, start, cos, sin, conv, ssm, k_cache, v_cache, depth, &tapes, &snaps);
+    return {h, tapes, snaps};
+  }
+
+  // Only the keys and values of h [N * T, E] (T tokens per sequence from start[n]; cos, sin [N * T, rot]) into the
+  // caches of the plan's first layer, an attention layer: the MTP layer following a trunk pass, where nothing of
+  // its output is used.
+  void write_kv(torch::Tensor h, int64_t T, torch::Tensor slots, torch::Tensor start, torch::Tensor cos,
+                torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache) {
+    TORCH_CHECK(!layers_.empty() && layers_[0].attention, "DecodePlan.write_kv: the first layer must be attention");
+    TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous() && T >= 1 && h.size(0) % T == 0,
+                "DecodePlan.write_kv: h must be float32 [N * T, E]");
+    const LayerPlan& l = layers_[0];
     torch::Tensor x = at::empty_like(h);
-    for (size_t i = 0; i < L; ++i) {
-      const LayerPlan& l = layers_[i];
-      rms_norm(h, l.input_norm, l.eps, x, none, 0);
-      const torch::Tensor proj = l.in(x);
-      torch::Tensor mixed;
-      if (l.attention) {
-        const int64_t hd = l.q_norm.numel();
-        torch::Tensor o = at::empty({N, l.heads * hd}, at::TensorOptions().dtype(at::kFloat));
-        attention_step(proj, l.q_norm, l.k_norm, l.inner_eps, cos, sin, k_cache[i], v_cache[i], slots, start,
-                       1.0 / std::sqrt(static_cast<double>(hd)), o);
-        mixed = l.out(o);
-      } else {
-        const torch::Tensor o = gdn_core(proj.view({N, 1, proj.size(1)}), l.conv_weight, conv[i], slots, l.A, l.dt_bias,
-                                         ssm[i], l.norm, l.inner_eps, l.heads);
-        mixed = l.out(o.view({N, -1}));
-      }
-      h.add_(mixed);
-      rms_norm(h, l.post_norm, l.eps, x, none, 0);
-      const torch::Tensor gate_up = l.gate_up(x);
-      torch::Tensor act = at::empty({N, gate_up.size(1) / 2}, at::TensorOptions().dtype(at::kFloat));
-      silu_mul(gate_up, act);
-      h.add_(l.down(act));
-    }
-    return h;
+    rms_norm(h, l.input_norm, l.eps, x, at::empty({0}, at::TensorOptions().dtype(at::kFloat)), 0);
+    const torch::Tensor proj = l.in(x);
+    const int64_t hd = l.q_norm.numel(), nkv = k_cache.size(2);
+    norm_rope_rows(proj, l.q_norm, l.k_norm, l.inner_eps, cos, sin, 0, nkv, 2 * l.heads * hd);  // the keys only
+    store_kv(l, proj, h.size(0) / T, T, k_cache, v_cache, slots, start);
   }
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
   std::vector<LayerPlan> layers_;
+
+  torch::Tensor run(torch::Tensor h, int64_t T, torch::Tensor slots, torch::Tensor start, torch::Tensor cos,
+                    torch::Tensor sin, const std::vector<torch::Tensor>& conv, const std::vector<torch::Tensor>& ssm,
+                    const std::vector<torch::Tensor>& k_cache, const std::vector<torch::Tensor>& v_cache, int64_t depth,
+                    std::vector<torch::Tensor>* tapes, std::vector<torch::Tensor>* snaps) {
+    const size_t L = layers_.size();
+    TORCH_CHECK(conv.size() == L && ssm.size() == L && k_cache.size() == L && v_cache.size() == L,
+                "DecodePlan.step: one cache entry per layer");
+    TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous() && h.size(0) % T == 0,
+                "DecodePlan.step: h must be float32 [N * T, E]");
+    const int64_t M = h.size(0), N = M / T;
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    const torch::Tensor none = at::empty({0}, f32);
+    torch::Tensor x = at::empty_like(h);
+    for (size_t i = 0; i < L; ++i) {
+      const LayerPlan& l = layers_[i];
+      rms_norm(h, l.input_norm, l.eps, x, none, 0);
+      const torch::Tensor proj = l.in(x);
+      torch::Tensor mixed;
+      if (l.attention && T == 1) {
+        const int64_t hd = l.q_norm.numel();
+        torch::Tensor o = at::empty({N, l.heads * hd}, f32);
+        attention_step(proj, l.q_norm, l.k_norm, l.inner_eps, cos, sin, k_cache[i], v_cache[i], slots, start,
+                       1.0 / std::sqrt(static_cast<double>(hd)), o);
+        mixed = l.out(o);
+      } else if (l.attention) {
+        mixed = l.out(attention_tokens(l, proj, N, T, cos, sin, k_cache[i], v_cache[i], slots, start));
+      } else {
+        torch::Tensor tape, kept;
+        if (tapes) {
+          const int64_t C = l.conv_weight.size(0), HV = ssm[i].size(1);
+          tape = (*tapes)[i] = at::empty({N, conv[i].size(1) + T, C}, f32);
+          kept = (*snaps)[i] = at::empty({N, depth, HV, ssm[i].size(2), ssm[i].size(3)}, f32);
+        }
+        const torch::Tensor o = gdn_core_kept(proj.view({N, T, proj.size(1)}), l.conv_weight, conv[i], slots, l.A,
+                                              l.dt_bias, ssm[i], l.norm, l.inner_eps, l.heads, tape, kept);
+        mixed = l.out(o.view({M, -1}));
+      }
+      h.add_(mixed);
+      rms_norm(h, l.post_norm, l.eps, x, none, 0);
+      const torch::Tensor gate_up = l.gate_up(x);
+      torch::Tensor act = at::empty({M, gate_up.size(1) / 2}, f32);
+      silu_mul(gate_up, act);
+      h.add_(l.down(act));
+    }
+    return h;
+  }
+
+  // The keys and values of proj [N T, D] (keys normed and rotated) into cache rows slots[n] from start[n].
+  static void store_kv(const LayerPlan& l, const torch::Tensor& proj, int64_t N, int64_t T, torch::Tensor k_cache,
+                       torch::Tensor v_cache, torch::Tensor slots, torch::Tensor start) {
+    const int64_t hd = l.q_norm.numel(), nh = l.heads, nkv = k_cache.size(2);
+    TORCH_CHECK(proj.size(1) == (2 * nh + 2 * nkv) * hd, "DecodePlan: attention projection width");
+    const torch::Tensor rows = proj.view({N, T, proj.size(1)});
+    const torch::Tensor k = rows.narrow(2, 2 * nh * hd, nkv * hd).unflatten(2, {nkv, hd});
+    const torch::Tensor v = rows.narrow(2, (2 * nh + nkv) * hd, nkv * hd).unflatten(2, {nkv, hd});
+    const int64_t *sp = slots.data_ptr<int64_t>(), *pp = start.data_ptr<int64_t>();
+    for (int64_t n = 0; n < N; ++n) {
+      TORCH_CHECK(sp[n] >= 0 && sp[n] < k_cache.size(0) && pp[n] >= 0 && pp[n] + T <= k_cache.size(1),
+                  "DecodePlan: slot ", sp[n], " from position ", pp[n], " outside the cache");
+      k_cache[sp[n]].narrow(0, pp[n], T).copy_(k[n]);
+      v_cache[sp[n]].narrow(0, pp[n], T).copy_(v[n]);
+    }
+  }
+
+  // Gated attention over T tokens of each of N sequences, as the modules' prefill path computes it: q / k norms
+  // and rope in place on proj [N T, D], the keys and values written into the cache rows, attention over the rows
+  // (attention_cached), times sigmoid(gate). -> [N T, nh hd], the output projection's input.
+  static torch::Tensor attention_tokens(const LayerPlan& l, torch::Tensor proj, int64_t N, int64_t T, torch::Tensor cos,
+                                        torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                                        torch::Tensor slots, torch::Tensor start) {
+    const int64_t hd = l.q_norm.numel(), nh = l.heads, nkv = k_cache.size(2);
+    TORCH_CHECK(proj.size(1) == (2 * nh + 2 * nkv) * hd, "DecodePlan.verify: attention projection width");
+    norm_rope_rows(proj, l.q_norm, l.k_norm, l.inner_eps, cos, sin, nh, nkv, 2 * nh * hd);
+    store_kv(l, proj, N, T, k_cache, v_cache, slots, start);
+    const torch::Tensor rows = proj.view({N, T, proj.size(1)});
+    torch::Tensor o = at::empty({N, T, nh, hd}, at::TensorOptions().dtype(at::kFloat));
+    attention_cached(rows.narrow(2, 0, nh * hd).unflatten(2, {nh, hd}), k_cache, v_cache, slots, start,
+                     1.0 / std::sqrt(static_cast<double>(hd)), o);
+    o = o.view({N * T, nh * hd});
+    o.mul_(at::sigmoid(proj.narrow(1, nh * hd, nh * hd)));
+    return o;
+  }
+};
+
+// The MTP layer (models/mtp.py) of a dense Qwen model in one call per use: chained greedy drafts of k tokens,
+// and the keys and values a trunk pass leaves in the layer's cache. Through the modules each draft step cost ~50
+// small torch ops and their Python (0.3 ms on a 7.5M-parameter model, where its arithmetic takes a fifth of that),
+// so drafting cost more than the tokens it saved.
+//     g_p = norm(layer(fc([enorm(embed(x_p)) | hnorm(h_{p-1})])))        logits_p = head(g_p)
+class MTPPlan {
+ public:
+  // embed [V, E] float32 or float16 (the trunk's table); layer: a DecodePlan of the one attention decoder layer
+  MTPPlan(torch::Tensor embed, torch::Tensor enorm, torch::Tensor hnorm, double eps, const LinearRef& fc,
+          const DecodePlan& layer, torch::Tensor norm, const LinearRef& head)
+      : embed_(embed), enorm_(enorm), hnorm_(hnorm), norm_(norm), eps_(eps), fc_(fc), layer_(layer), head_(head) {
+    TORCH_CHECK(embed.dim() == 2 && (embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kHalf),
+                "MTPPlan: the embedding must be float32 or float16 [V, E]");
+    TORCH_CHECK(layer.size() == 1, "MTPPlan: one decoder layer");
+  }
+
+  // After a trunk pass over ids [N * T] (T tokens per sequence from start[n]) whose normed hidden states before
+  // each token are before [N * T, E]: the layer's keys and values at those positions. cos, sin [N * T, rot].
+  void follow(torch::Tensor ids, torch::Tensor before, int64_t T, torch::Tensor slots, torch::Tensor start,
+              torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache) {
+    layer_.write_kv(input(ids, before), T, slots, start, cos, sin, k_cache, v_cache);
+  }
+
+  // Greedy chained drafts: sequence n drafts ks[n] tokens after ids[n] (its pending token, at position start[n]),
+  // from hidden [N, E], the trunk's normed state after its last cached token; draft s of it sits at start[n] + s,
+  // cos, sin [N, max k, rot], and writes the layer's cache there. -> [N, max k] int64, -1 past a sequence's ks[n].
+  torch::Tensor draft(torch::Tensor ids, torch::Tensor hidden, torch::Tensor slots, torch::Tensor start,
+                      torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                      const std::vector<int64_t>& ks) {
+    const int64_t N = ids.size(0), steps = cos.size(1);
+    TORCH_CHECK(static_cast<int64_t>(ks.size()) == N && hidden.dim() == 2 && hidden.size(0) == N &&
+                    cos.dim() == 3 && cos.size(0) == N && sin.sizes() == cos.sizes(),
+                "MTPPlan.draft: one k, hidden row and cos / sin row per sequence");
+    for (int64_t k : ks) TORCH_CHECK(k >= 0 && k <= steps, "MTPPlan.draft: k ", k, " outside 0..", steps);
+    const auto i64 = at::TensorOptions().dtype(at::kLong);
+    torch::Tensor drafts = at::full({N, steps}, -1, i64);
+    const torch::Tensor none = at::empty({0}, at::TensorOptions().dtype(at::kFloat));
+    torch::Tensor tok = ids.clone(), h = hidden.contiguous(), rows = at::arange(N, i64);
+    for (int64_t s = 0; s < steps; ++s) {
+      std::vector<int64_t> live;  // the sequences that still draft, as rows of tok / h
+      for (int64_t r = 0; r < rows.size(0); ++r)
+        if (ks[rows.data_ptr<int64_t>()[r]] > s) live.push_back(r);
+      if (live.empty()) break;
+      if (static_cast<int64_t>(live.size()) < rows.size(0)) {
+        const torch::Tensor keep = torch::from_blob(live.data(), {static_cast<int64_t>(live.size())}, i64).clone();
+        tok = tok.index_select(0, keep), h = h.index_select(0, keep), rows = rows.index_select(0, keep);
+      }
+      const bool all = rows.size(0) == N;  // (the common case: every sequence drafts as many)
+      const auto pick = [&](const torch::Tensor& t) { return all ? t : t.index_select(0, rows); };
+      torch::Tensor g = layer_.step(input(tok, h), pick(slots), pick(start) + s, pick(cos).select(1, s).contiguous(),
+                                    pick(sin).select(1, s).contiguous(), {none}, {none}, {k_cache}, {v_cache});
+      rms_norm(g, norm_, eps_, g, none, 0);
+      tok = head_(g).argmax(-1);
+      h = g;
+      drafts.index_put_({rows, s}, tok);
+    }
+    return drafts;
+  }
+
+ private:
+  torch::Tensor embed_, enorm_, hnorm_, norm_;
+  double eps_;
+  LinearRef fc_;
+  DecodePlan layer_;
+  LinearRef head_;
+
+  // fc([enorm(embed(ids)) | hnorm(hidden)]): ids [M], hidden [M, E] -> [M, E]
+  torch::Tensor input(const torch::Tensor& ids, const torch::Tensor& hidden) {
+    const int64_t M = ids.size(0), E = embed_.size(1);
+    TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.size(0) == M && hidden.size(1) == E,
+                "MTPPlan: hidden must be float32 [M, E]");
+    torch::Tensor both = at::empty({M, 2 * E}, at::TensorOptions().dtype(at::kFloat));
+    const torch::Tensor none = at::empty({0}, at::TensorOptions().dtype(at::kFloat));
+    torch::Tensor e = both.narrow(1, 0, E), hn = both.narrow(1, E, E);
+    const torch::Tensor rows = embed_.index_select(0, ids).to(at::kFloat), h = hidden.contiguous();
+    // rms_norm writes whole rows; the halves of `both` are rows 2E apart, so each half goes through a buffer
+    torch::Tensor buf = at::empty({M, E}, at::TensorOptions().dtype(at::kFloat));
+    rms_norm(rows.contiguous(), enorm_, eps_, buf, none, 0);
+    e.copy_(buf);
+    rms_norm(h, hnorm_, eps_, buf, none, 0);
+    hn.copy_(buf);
+    return fc_(both);
+  }
 };
 
 inline void bind_plan(pybind11::module_& m) {
@@ -127,7 +298,14 @@ inline void bind_plan(pybind11::module_& m) {
       .def("add_gdn", &DecodePlan::add_gdn)
       .def("add_attention", &DecodePlan::add_attention)
       .def("step", &DecodePlan::step)
+      .def("verify", &DecodePlan::verify)
+      .def("write_kv", &DecodePlan::write_kv)
       .def("__len__", &DecodePlan::size);
+  py::class_<MTPPlan>(m, "MTPPlan")
+      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, double, const LinearRef&, const DecodePlan&,
+                    torch::Tensor, const LinearRef&>())
+      .def("follow", &MTPPlan::follow)
+      .def("draft", &MTPPlan::draft);
 }
 
 }  // namespace deltaserve

@@ -1,0 +1,101 @@
+"""The one-call paths of speculative decoding (models/qwen/plan.py: the verify pass, the MTP layer's drafts and
+cache writes) against transformers / the float64 MTP reference of test_mtp.py, and bit for bit against
+the modules they replace. Dense qwen35 layers take the plans; the MoE families (qwen35moe, qwen3next here) keep
+the modules, which the same checks cover."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from deltaserve.loader import open_checkpoint
+from deltaserve.models import QwenModel
+from deltaserve.models.base import HybridModel
+from deltaserve.models.mtp import draft
+from tests.models.test_mtp import IDS, reference_mtp, rel_err, trunk_hidden, with_mtp  # noqa: F401 (fixture)
+
+F32 = dict(weight_dtype=torch.float32, kv_dtype=torch.float32)
+
+
+def reference_logits(tiny, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' logits over the whole sequence in float64 [T, V]."""
+    model = copy.deepcopy(tiny.model).double()
+    with torch.no_grad():
+        return model(ids[None]).logits[0]
+
+
+def verify_run(model, prefixes: list[int], T: int):
+    """Two sequences in slots 2 and 0 of three, holding IDS[:prefixes[n]], then one verify pass of T tokens each
+    keeping T snapshots -> (logits [2, T, V], state)."""
+    state = model.new_state(3, 40)
+    for slot, p in zip((2, 0), prefixes):
+        model(IDS[None, :p], state, [slot])
+    rows = torch.stack([IDS[p:p + T] for p in prefixes])
+    return model(rows, state, [2, 0], logits="all", snapshots=T), state
+
+
+def test_verify_pass_matches_transformers_and_the_modules(tiny, with_mtp, monkeypatch):
+    path, _ = with_mtp
+    model = QwenModel.from_checkpoint(open_checkpoint(path), **F32)
+    prefixes, T = [9, 4], 5
+    logits, state = verify_run(model, prefixes, T)
+    planned = any(key[0] == 0 and plan is not None for key, plan in model.__dict__["_decode_plans"].items())
+    assert planned == (tiny.family == "qwen3_5")  # dense layers take the plan; MoE ones the modules
+    for n, p in enumerate(prefixes):
+        assert rel_err(logits[n], reference_logits(tiny, IDS[:p + T])[p:]) < 1e-4
+
+    monkeypatch.setattr(QwenModel, "decode_step", HybridModel.decode_step)  # the modules' path
+    modules, by_modules = verify_run(model, prefixes, T)
+    assert torch.equal(logits, modules)
+    for ours, theirs in ((state.snapshots.conv, by_modules.snapshots.conv), (state.snapshots.ssm, by_modules.snapshots.ssm),
+                         (state.ssm, by_modules.ssm), (state.k, by_modules.k)):
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+@pytest.mark.parametrize("keep", [1, 3, 5])
+def test_rollback_after_a_planned_verify_pass_continues_as_transformers(tiny, with_mtp, keep):
+    """Keep `keep` of the 5 verified tokens, then feed the rest of the sequence: the logits are transformers'."""
+    path, _ = with_mtp
+    model = QwenModel.from_checkpoint(open_checkpoint(path), **F32)
+    _, state = verify_run(model, [9, 4], 5)
+    state.rollback(2, 9 + keep)
+    out = model(IDS[None, 9 + keep:20], state, [2], logits="all")[0]
+    assert rel_err(out, reference_logits(tiny, IDS[:20])[9 + keep:]) < 1e-4
+
+
+def draft_run(model, ks: list[int]):
+    """Slots 1 and 0 of two fed IDS[:14] and IDS[:9] in uneven chunks, then chained drafts -> (drafts, state)."""
+    state = model.new_state(2, 40, mtp=True)
+    for a, b in ((0, 5), (5, 6), (6, 14)):
+        model(IDS[None, a:b], state, [1])
+    model(IDS[None, :9], state, [0])
+    return draft(model, state, torch.tensor([1, 0]), torch.stack([IDS[14], IDS[9]]), ks), state
+
+
+def test_chained_drafts_match_the_float64_mtp_and_the_modules(tiny, with_mtp, monkeypatch):
+    path, W = with_mtp
+    model = QwenModel.from_checkpoint(open_checkpoint(path), **F32)
+    drafts, state = draft_run(model, [3, 1])
+    assert [len(d) for d in drafts] == [3, 1]
+    planned = any(key[0] == "mtp" and plan is not None for key, plan in model.__dict__["_decode_plans"].items())
+    assert planned == (tiny.family == "qwen3_5")  # a dense MTP layer takes the plan
+    cfg = tiny.model.config
+    for n, p in enumerate((14, 9)):  # each draft is the reference's argmax after the drafts before it
+        h = trunk_hidden(tiny, IDS[:p])
+        ids, hidden = IDS[:p + 1], torch.cat([torch.zeros_like(h[:1]), h])
+        for d in drafts[n]:
+            g, logits = reference_mtp(cfg, W, ids, hidden)
+            assert d == int(logits[-1].argmax())
+            ids, hidden = torch.cat([ids, torch.tensor([d])]), torch.cat([hidden, g[-1:]])
+
+    monkeypatch.setattr(QwenModel, "mtp_draft", HybridModel.mtp_draft)  # the modules' path, step by step
+    monkeypatch.setattr(QwenModel, "mtp_follow", HybridModel.mtp_follow)
+    modules, by_modules = draft_run(model, [3, 1])
+    assert modules == drafts
+    i = len(model.layers)  # the MTP cache: the trunk's passes' entries, then the drafted ones (float32 weights: one
+    # token's projection is MKL's GEMV in the module, its GEMM in the plan, a rounding apart)
+    torch.testing.assert_close(state.k[i][:, :18], by_modules.k[i][:, :18], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state.v[i][:, :18], by_modules.v[i][:, :18], rtol=1e-5, atol=1e-6)
+    assert state.k[i][:, :18].abs().amax((-2, -1)).gt(0).sum() == 14 + 3 + 9 + 1  # every written row, no other
