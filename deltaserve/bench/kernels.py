@@ -6,11 +6,12 @@
 Peaks (ops/csrc/probe.h): float32 FMAs, int8 and bf16 dot products with 12 independent chains a thread, memory reads
 of a buffer 4x the L3 in 2 MB pages (as a model's weights). Kernels, per weight format, at a 0.8B model's shapes:
 the decode GEMV (one row of activations, weights streamed from memory: GB/s against the read peak) and the
-prefill GEMM (256 rows: GOP/s against the int8 or FMA peak); torch's float32 GEMM, the prefill of files without
-integer kernels, beside them. Each figure comes from the fastest of many short timings: on a shared machine
-other processes only ever slow one down, and a call of a few ms often runs whole between them. The decode
-GEMV's rate is taken as the read peak's is, each thread's fastest share (ops/csrc/shares.h) added up, with the
-whole calls' rate beside it (what a decode step waits for, the scheduler's delays included).
+prefill GEMM (256 rows: GOP/s against the int8 or FMA peak); the float16 GEMM (256 and 512 rows: GFLOP/s against
+the FMA peak) and torch's float32 GEMM beside them. Each figure comes from the fastest of many short timings: on a
+shared machine other processes only ever slow one down, and a call of a few ms often runs whole between them. The
+decode GEMVs' and the float16 GEMM's rates are taken as the peaks are, each thread's fastest share (GEMVs) or unit
+of its share (the GEMM; ops/csrc/shares.h) added up, with the whole calls' rate beside them (what a step waits
+for, the scheduler's delays included).
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def kernel_rates() -> list[dict]:
     if ext.q8_int8():
         rows += _q8_rates(ext, M, N)
     rows += _bf16_rates(ext, M, N)
+    rows += [_f16_row(ext, M, N), _f16_row(ext, 2 * M, _ROWS)]
     a, b = torch.randn(M, _HIDDEN), torch.randn(N, _HIDDEN)
     t = _best(lambda: torch.mm(a, b.T))
     rows.append(dict(kernel="torch.mm prefill", format="F32", shape=f"{M}x{N}x{_HIDDEN}", seconds=t,
@@ -166,6 +168,18 @@ def _bf16_rates(ext, M: int, N: int) -> list[dict]:
     return out
 
 
+def _f16_row(ext, M: int, N: int) -> dict:
+    """The float16 prefill GEMM (ops/csrc/f16gemm.h): its rate as the FMA peak's is measured, each thread's fastest
+    unit (a block of 256 columns: outputs times 2K flops over its own seconds) added up, with the whole calls' rate
+    beside it."""
+    w, x, y = (torch.randn(N, _HIDDEN) * 0.05).half(), torch.randn(M, _HIDDEN), torch.empty(M, N)
+    flops = 2 * M * N * _HIDDEN
+    t = _best(lambda: ext.linear_f16_gemm(x, w, y))
+    shares = _thread_rate([lambda: ext.linear_f16_gemm_shares(x, w, y)] * 20, 2 * _HIDDEN)
+    return dict(kernel="linear_f16_gemm prefill", format="F16", shape=f"{M}x{N}x{_HIDDEN}", seconds=t,
+                rate=(shares or flops / t) / 1e9, wall_rate=flops / t / 1e9, unit="GFLOP/s", peak="fma_gflops")
+
+
 def report(threads: int) -> dict:
     torch.set_num_threads(threads)
     return {"threads": threads, "isa": fused.extension().int8_isa(), "peaks": peaks(), "kernels": kernel_rates()}
@@ -179,7 +193,7 @@ def format_report(r: dict) -> str:
     for k in r["kernels"]:
         wall = k.get("wall_rate")
         beside = f"  (whole calls: {wall:,.1f}, {wall / p[k['peak']]:.0%})" if wall and wall != k["rate"] else ""
-        lines.append(f"  {k['kernel']:<22} {k['format']:<6} {k['shape']:>15} {k['seconds'] * 1e3:8.2f} ms "
+        lines.append(f"  {k['kernel']:<23} {k['format']:<6} {k['shape']:>15} {k['seconds'] * 1e3:8.2f} ms "
                      f"{k['rate']:9,.1f} {k['unit']:<8} {k['rate'] / p[k['peak']]:6.0%} of peak{beside}")
     return "\n".join(lines)
 

@@ -17,8 +17,10 @@ from deltaserve.models import packed
 from deltaserve.ops import attention as attention_op
 from deltaserve.ops import fused
 
-# Up to this many rows a float16 or Q8_0 weight goes through a fused kernel (decode: the weight streams
-# from memory once and is widened in registers); above it a float32 GEMM on the widened weight is faster.
+# Up to this many rows a float16 or Q8_0 weight goes through a fused GEMV (decode: the weight streams from memory
+# once and is widened in registers; a row's result is the same bits whatever the batch, as speculative verify
+# needs); above it a float16 weight goes through our GEMM (ops/csrc/f16gemm.h), a Q8_0 one (float32 activations)
+# through a float32 GEMM on the widened weight.
 _GEMV_ROWS = 16
 Q8_BLOCK = 32  # weights per scale in a Q8_0 row
 # Q8_0 weights multiply activations rounded per 32 to Q8_0, as llama.cpp does on these files (its speed and its
@@ -27,7 +29,7 @@ Q8_INT8_ACTIVATIONS = True
 # bfloat16 weights multiply activations rounded to bfloat16 (vdpbf16ps), as llama.cpp and transformers do beside
 # them, where this CPU has AVX512_BF16 (ops/csrc/bf16.h). False: float32 activations (exact weights), slower.
 BF16_ROUNDED_ACTIVATIONS = True
-_DEQUANT_BYTES = 4 << 20  # a GEMM on a float16 / Q8_0 weight widens this much of it at a time
+_DEQUANT_BYTES = 4 << 20  # a torch GEMM on a narrower weight widens this much of it at a time
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -47,13 +49,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         fused.extension().linear_q8_int8(rows.float().contiguous(), weight, weight.scale, y)
         y = y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
         return y if bias is None else y + bias.to(y.dtype)
-    if (weight.dtype in (torch.float16, torch.int8) and x.dtype == torch.float32 and rows.shape[0] <= _GEMV_ROWS
-            and x.device.type == "cpu" and fused.available()):
+    if (x.dtype == torch.float32 and x.device.type == "cpu" and fused.available()
+            and (weight.dtype == torch.float16 or weight.dtype == torch.int8 and rows.shape[0] <= _GEMV_ROWS)):
         y = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
         if weight.dtype == torch.int8:
             fused.extension().linear_q8(rows.contiguous(), weight, weight.scale, y)
-        else:
+        elif rows.shape[0] <= _GEMV_ROWS:
             fused.extension().linear_f16(rows.contiguous(), weight.contiguous(), y)
+        else:  # prefill: our GEMM on the weight as stored (ops/csrc/f16gemm.h)
+            fused.extension().linear_f16_gemm(rows.contiguous(), weight.contiguous(), y)
         y = y.view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias.to(y.dtype)
     step = max(64, _DEQUANT_BYTES // (x.element_size() * weight.shape[1]))  # output rows per block

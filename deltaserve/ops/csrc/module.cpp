@@ -1,5 +1,6 @@
 // deltaserve's CPU kernels, built by ops/fused.py as one translation unit from the headers beside this file:
 // delta_rule.h (the fused gated delta rule), conv.h, gdn.h (a GDN layer's middle in one call), layers.h (norms, SwiGLU, attention step), gemv.h,
+// f16gemm.h (the prefill GEMM of float16 weights),
 // kquants.h (packed GGML blocks: decoders, rows to float32) and kquants_avx512.h, packed.h (decode GEMV and rows to float32 on them),
 // int8dot.h, int8gemv.h, int8gemm.h and panels.h (integer dot products of K-quant blocks; int8q8.h of Q8_0 ones with activations rounded to int8), probe.h (peaks),
 // bf16.h (float32 activations times bfloat16 weights),
@@ -9,6 +10,7 @@
 #include "bf16.h"
 #include "conv.h"
 #include "delta_rule.h"
+#include "f16gemm.h"
 #include "gdn.h"
 #include "gemv.h"
 #include "int8gemm.h"
@@ -25,7 +27,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdr_inplace", &deltaserve::gdr_inplace, "the common in-place call, checked in C++; None for any other");
   m.def("gdn_core", &deltaserve::gdn_core, "a GDN layer's conv, gates, delta rule and gated norm at inference (CPU)");
   m.def("conv_forward", &deltaserve::conv_forward, "short causal depthwise conv with state (CPU, float32)");
-  m.def("linear_f16", &deltaserve::linear_f16, "float32 activations times float16 weights (CPU)");
+  m.def("linear_f16", &deltaserve::linear_f16, "float32 activations times float16 weights, decode GEMV (CPU)");
+  m.def("linear_f16_gemm", &deltaserve::f16::linear_f16_gemm, "float32 activations times float16 weights, prefill GEMM (CPU)");
+  m.def("linear_f16_gemm_shares", [](torch::Tensor x, torch::Tensor w, torch::Tensor y) {
+          return deltaserve::timed_shares([&] { deltaserve::f16::linear_f16_gemm(x, w, y); });
+        }, "linear_f16_gemm with each thread's (outputs, seconds) of its fastest unit, for the benchmark");
   m.def("rms_norm", &deltaserve::rms_norm, "RMSNorm over the last dim, optionally gated (CPU, float32)");
   m.def("norm_rope_rows", &deltaserve::norm_rope_rows, "q/k RMSNorm + rope of attention rows in place (CPU, float32)");
   m.def("attention_step", &deltaserve::attention_step, "a decode step of gated attention (CPU, float32)");

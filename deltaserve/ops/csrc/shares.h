@@ -32,6 +32,28 @@ class ShareClock {
   std::chrono::steady_clock::time_point start_;
 };
 
+// For kernels whose threads take many units from a counter (f16gemm.h): records (rows, seconds) of the enclosing unit
+// into g_share_times[thread] when it is that thread's fastest so far, as the probes keep each thread's fastest round
+// (a thread's whole share of a long call is rarely left to run whole on a shared machine).
+class UnitClock {
+ public:
+  explicit UnitClock(int64_t rows) : rows_(rows) {
+    if (g_share_times != nullptr) start_ = std::chrono::steady_clock::now();
+  }
+  ~UnitClock() {
+    if (g_share_times == nullptr) return;
+    const size_t t = static_cast<size_t>(at::get_thread_num());
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    if (t >= g_share_times->size() || s <= 0) return;
+    auto& best = (*g_share_times)[t];
+    if (best.first == 0 || rows_ / s > best.first / best.second) best = {rows_, s};
+  }
+
+ private:
+  int64_t rows_;
+  std::chrono::steady_clock::time_point start_;
+};
+
 // f() with its parallel region's shares timed: [(rows, seconds)] per thread (0 rows: the thread had no share)
 template <class F>
 inline std::vector<std::pair<int64_t, double>> timed_shares(F&& f) {

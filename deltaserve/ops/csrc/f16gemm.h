@@ -1,0 +1,233 @@
+// The prefill GEMM of float16 weights: y [M, N] = x [M, K] (float32) @ W [N, K]^T with W float16 as the file stores
+// it, accumulated in float32 (the activations are never rounded: the result is a float32 GEMM on the exact weights).
+// W is widened (vcvtph2ps) a block at a time into a float32 panel of kKC x kNC, laid [column tile][k][kNR] so that
+// one vector load gives kNR columns at one k; the panel stays in L2 and every row of x passes over it. x is laid out
+// once per call in row tiles [tile][k][kMR], so that a tile's block of kKC columns is one contiguous run that stays
+// in L1 (rows of x K floats apart alias the same L1 sets). The micro-kernel keeps a kMR x kNR block of y in
+// registers and per k multiplies kNR / lanes vectors of W by kMR broadcast values of x. Threads take (column block,
+// row range) units in turn from a counter: each owns disjoint outputs, and a thread slowed by another job on a
+// shared machine takes fewer units instead of holding the call up.
+#pragma once
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "shares.h"
+
+namespace deltaserve {
+namespace f16 {
+
+#if defined(__AVX512F__)
+// 4 zmm of columns x 6 rows: 24 accumulators of the 32 registers. Measured on the 2-core EPYC (Zen 4), one thread,
+// 512 rows: 85-89% of the FMA peak a call, where 12 rows x 2 zmm (half the loads, twice the broadcasts) gave
+// 81-83%, 24 x 1 80-83%, 7 x 4 80-83%.
+constexpr int kNV = 4, kNR = 16 * kNV, kMR = 6;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int kNR = 16, kMR = 6;  // 2 ymm x 6 rows: 12 accumulators of the 16 registers
+#else
+constexpr int kNR = 16, kMR = 4;  // portable C++, vectorised by the compiler
+#endif
+constexpr int64_t kKC = 256;  // k per block: a row tile's block of x is kMR x kKC floats (6 KB with AVX-512)
+constexpr int64_t kNC = 256;  // columns per block: the widened panel is kKC x kNC floats (256 KB)
+static_assert(kNC % kNR == 0, "a block of columns is whole tiles: the panel holds kKC x kNC floats");
+
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+// x [M, K] -> xp [ceil(M / kMR)][K][kMR] (a last tile's missing rows are never read)
+inline void pack_x(const float* x, int64_t M, int64_t K, float* xp) {
+  at::parallel_for(0, (M + kMR - 1) / kMR, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t rows = std::min<int64_t>(kMR, M - t * kMR);
+      const float* xr = x + t * kMR * K;
+      float* out = xp + t * kMR * K;
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t i = 0; i < rows; ++i) out[k * kMR + i] = xr[i * K + k];
+    }
+  });
+}
+
+#if defined(__AVX512F__)
+// r[i][j] -> r[j][i] for a 16 x 16 block: pairs of rows interleaved, then quads, then 128-bit lanes twice
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16], s[16];
+  for (int p = 0; p < 8; ++p) {
+    t[2 * p] = _mm512_unpacklo_ps(r[2 * p], r[2 * p + 1]);
+    t[2 * p + 1] = _mm512_unpackhi_ps(r[2 * p], r[2 * p + 1]);
+  }
+  for (int q = 0; q < 4; ++q) {  // s[4c + q]: in each lane L, rows 4q .. 4q + 3 at column 4L + c
+    s[q] = _mm512_shuffle_ps(t[4 * q], t[4 * q + 2], 0x44);
+    s[4 + q] = _mm512_shuffle_ps(t[4 * q], t[4 * q + 2], 0xEE);
+    s[8 + q] = _mm512_shuffle_ps(t[4 * q + 1], t[4 * q + 3], 0x44);
+    s[12 + q] = _mm512_shuffle_ps(t[4 * q + 1], t[4 * q + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512* sc = s + 4 * c;
+    const __m512 x0 = _mm512_shuffle_f32x4(sc[0], sc[1], 0x88), x1 = _mm512_shuffle_f32x4(sc[0], sc[1], 0xDD);
+    const __m512 x2 = _mm512_shuffle_f32x4(sc[2], sc[3], 0x88), x3 = _mm512_shuffle_f32x4(sc[2], sc[3], 0xDD);
+    r[c] = _mm512_shuffle_f32x4(x0, x2, 0x88);
+    r[4 + c] = _mm512_shuffle_f32x4(x1, x3, 0x88);
+    r[8 + c] = _mm512_shuffle_f32x4(x0, x2, 0xDD);
+    r[12 + c] = _mm512_shuffle_f32x4(x1, x3, 0xDD);
+  }
+}
+
+// 16 float16 of a row widened; a short tail (k < 16) through a zeroed copy
+inline __m512 widen16(const uint16_t* w, int64_t k) {
+  if (k == 16) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+  alignas(32) uint16_t tail[16] = {0};
+  std::memcpy(tail, w, k * sizeof(uint16_t));
+  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(tail)));
+}
+#endif
+
+// W rows n0 .. n0 + nc, columns k0 .. k0 + kc, widened into bp [ceil(nc / kNR)][kc][kNR] (rows past nc: zero)
+inline void pack_w(const uint16_t* w, int64_t K, int64_t n0, int64_t nc, int64_t k0, int64_t kc, float* bp) {
+  const int64_t tiles = (nc + kNR - 1) / kNR;
+#if defined(__AVX512F__)
+  for (int64_t g = 0; g < kNV * tiles; ++g) {  // 16 rows at a time: a tile's kNV parts
+    float* out = bp + (g / kNV) * kc * kNR + (g % kNV) * 16;
+    const int64_t rows = std::clamp<int64_t>(nc - 16 * g, 0, 16);
+    const uint16_t* wr = w + (n0 + 16 * g) * K + k0;
+    for (int64_t k = 0; k < kc; k += 16) {
+      const int64_t kn = std::min<int64_t>(16, kc - k);
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) r[i] = i < rows ? widen16(wr + i * K + k, kn) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int64_t j = 0; j < kn; ++j) _mm512_storeu_ps(out + (k + j) * kNR, r[j]);
+    }
+  }
+#else
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t j = 0; j < kNR; ++j) {
+      float* out = bp + t * kc * kNR + j;
+      const int64_t n = t * kNR + j;
+      for (int64_t k = 0; k < kc; ++k) out[k * kNR] = n < nc ? half_to_float(w[(n0 + n) * K + k0 + k]) : 0.f;
+    }
+#endif
+}
+
+// y[i][0 .. cols) (+)= sum over k < kc of xp[k][i] * bp[k][0 .. cols) for the MR rows of a tile; add: y holds the
+// sum over the earlier blocks of k
+template <int MR>
+inline void tile(const float* xp, const float* bp, int64_t kc, float* y, int64_t ldy, int64_t cols, bool add) {
+#if defined(__AVX512F__)
+  __m512 c[MR][kNV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < kNV; ++v) c[i][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    __m512 b[kNV];
+    for (int v = 0; v < kNV; ++v) b[v] = _mm512_loadu_ps(bp + k * kNR + 16 * v);
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; ++i) {
+      const __m512 a = _mm512_set1_ps(xp[k * kMR + i]);
+      for (int v = 0; v < kNV; ++v) c[i][v] = _mm512_fmadd_ps(a, b[v], c[i][v]);
+    }
+  }
+  for (int v = 0; v < kNV; ++v) {
+    const int64_t n = std::clamp<int64_t>(cols - 16 * v, 0, 16);
+    const __mmask16 m = static_cast<__mmask16>((1u << n) - 1);
+    for (int i = 0; i < MR; ++i) {
+      float* yr = y + i * ldy + 16 * v;
+      _mm512_mask_storeu_ps(yr, m, add ? _mm512_add_ps(c[i][v], _mm512_maskz_loadu_ps(m, yr)) : c[i][v]);
+    }
+  }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  __m256 c0[MR], c1[MR];
+  for (int i = 0; i < MR; ++i) c0[i] = c1[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(bp + k * kNR), b1 = _mm256_loadu_ps(bp + k * kNR + 8);
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; ++i) {
+      const __m256 a = _mm256_broadcast_ss(xp + k * kMR + i);
+      c0[i] = _mm256_fmadd_ps(a, b0, c0[i]);
+      c1[i] = _mm256_fmadd_ps(a, b1, c1[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    alignas(32) float out[kNR];
+    _mm256_store_ps(out, c0[i]);
+    _mm256_store_ps(out + 8, c1[i]);
+    float* yr = y + i * ldy;
+    for (int64_t j = 0; j < cols; ++j) yr[j] = add ? yr[j] + out[j] : out[j];
+  }
+#else
+  float c[MR][kNR] = {};
+  for (int64_t k = 0; k < kc; ++k)
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < kNR; ++j) c[i][j] += xp[k * kMR + i] * bp[k * kNR + j];
+  for (int i = 0; i < MR; ++i)
+    for (int64_t j = 0; j < cols; ++j) y[i * ldy + j] = add ? y[i * ldy + j] + c[i][j] : c[i][j];
+#endif
+}
+
+template <int... R>
+inline void tile_rows(std::integer_sequence<int, R...>, int64_t rows, const float* xp, const float* bp, int64_t kc,
+                      float* y, int64_t ldy, int64_t cols, bool add) {
+  ((rows == R + 1 ? tile<R + 1>(xp, bp, kc, y, ldy, cols, add) : void()), ...);
+}
+
+// One unit: columns n0 .. n0 + nc of y for row tiles t0 .. t1, k in blocks of kKC (the panel widened once per block)
+inline void gemm_unit(const float* xp, const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
+                      int64_t nc, int64_t t0, int64_t t1, float* bp) {
+  for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+    const int64_t kc = std::min(kKC, K - k0);
+    pack_w(w, K, n0, nc, k0, kc, bp);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t rows = std::min<int64_t>(kMR, M - t * kMR);
+      for (int64_t j = 0; j < nc; j += kNR)
+        tile_rows(std::make_integer_sequence<int, kMR>{}, rows, xp + t * kMR * K + k0 * kMR, bp + j * kc, kc,
+                  y + t * kMR * N + n0 + j, N, std::min<int64_t>(kNR, nc - j), k0 > 0);
+    }
+  }
+}
+
+// y [M, N] = x [M, K] @ W [N, K]^T on raw pointers (M, N, K >= 1)
+inline void gemm(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t tiles = (M + kMR - 1) / kMR, blocks = (N + kNC - 1) / kNC;
+  std::unique_ptr<float[]> xp(new float[tiles * kMR * K]);  // uninitialised: pack_x writes every value read
+  pack_x(x, M, K, xp.get());
+  const int64_t threads = at::get_num_threads();
+  // few column blocks (a narrow W): their rows are split too, so that every thread has units to take
+  const int64_t split = std::min(tiles, std::max<int64_t>(1, (4 * threads + blocks - 1) / blocks));
+  const int64_t units = blocks * split;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    static thread_local std::vector<float> panel(kKC * kNC);
+    for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
+      const int64_t b = u / split, s = u % split, n0 = b * kNC, nc = std::min(kNC, N - n0);
+      const int64_t t0 = tiles * s / split, t1 = tiles * (s + 1) / split;
+      const UnitClock clock(nc * (std::min(M, t1 * kMR) - t0 * kMR));
+      gemm_unit(xp.get(), w, y, M, N, K, n0, nc, t0, t1, panel.data());
+    }
+  });
+}
+
+inline void check_args(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& y) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be float32 [M, K] contiguous");
+  TORCH_CHECK(w.dtype() == torch::kFloat16 && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
+              "w must be float16 [N, K] contiguous, K as x's");
+  TORCH_CHECK(y.dtype() == torch::kFloat32 && y.is_contiguous() && y.dim() == 2 && y.size(0) == x.size(0) &&
+              y.size(1) == w.size(0), "y must be float32 [M, N] contiguous");
+}
+
+// y [M, N] = x [M, K] (float32) @ w [N, K]^T (float16), accumulated in float32: the GEMM above whatever M
+inline void linear_f16_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor y) {
+  check_args(x, w, y);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    y.zero_();
+    return;
+  }
+  gemm(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr<at::Half>()), y.data_ptr<float>(), M, N, K);
+}
+
+}  // namespace f16
+}  // namespace deltaserve
