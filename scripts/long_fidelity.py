@@ -25,8 +25,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's deltaserve, run from anywhere
 
 
-def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
-    return np.random.default_rng(seed).integers(vocab // 4, vocab // 2, n).tolist()
+def prompt(path: str, n: int, seed: int = 0) -> list[int]:
+    """n ids drawn from the file's normal tokens: a random-weight file keeps its placeholder tokens' embedding rows
+    zero (convert/presets.py), and a prompt of those gives both engines all-zero logits, which agree trivially."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(path).fields["tokenizer.ggml.token_type"]
+    normal = np.array([i for i, part in enumerate(field.data) if int(field.parts[part][0]) == 1])
+    return normal[np.random.default_rng(seed).integers(0, len(normal), n)].tolist()
 
 
 def ours(path: str, n: int, out: str) -> dict:
@@ -35,7 +41,7 @@ def ours(path: str, n: int, out: str) -> dict:
     from deltaserve.engine.llm import LLM
 
     llm = LLM(path, max_len=n + 8, prefill_chunk=512)
-    ids = prompt(n, llm.model.config.vocab_size)
+    ids = prompt(path, n)
     t = time.perf_counter()
     for i in range(0, n, 512):
         logits = llm.runner.forward([0], [ids[i:i + 512]])
@@ -50,7 +56,7 @@ def theirs(path: str, n: int, out: str) -> dict:
 
     f32 = 0  # GGML_TYPE_F32: the KV cache in float32, as deltaserve's beside float32 weights
     llm = Llama(model_path=path, n_ctx=n + 8, n_batch=512, n_ubatch=512, type_k=f32, type_v=f32, verbose=False)
-    ids = prompt(n, llm.n_vocab())
+    ids = prompt(path, n)
     t = time.perf_counter()
     llm.eval(ids)
     np.save(out, np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).astype(np.float64))
@@ -87,6 +93,8 @@ def main() -> None:
         logits[engine] = np.load(out)
         print(f"{engine}: {results[engine]}", flush=True)
     ref = logits["llama.cpp"]
+    if not ref.std() > 0:
+        raise SystemExit(f"llama.cpp's logits are constant ({ref[:3]}...): nothing to compare")
     diff = np.abs(logits["deltaserve"] - ref).max() / ref.std()
     print(f"{path.name}, {args.tokens} tokens: max|diff|/std {diff:.2e} "
           f"(argmax {int(logits['deltaserve'].argmax())} vs {int(ref.argmax())})")
