@@ -284,7 +284,12 @@ def stack_rows(items: Sequence[Rows | torch.Tensor]) -> torch.Tensor | Rows:
 def _fits(t: torch.Tensor | Rows, dtype: torch.dtype) -> bool:
     """Whether every value of t survives a round trip through dtype."""
     blocks = t.blocks() if isinstance(t, Rows) else [(0, t)]
-    return all(torch.equal(b.to(dtype).to(b.dtype), b) for _, b in blocks)
+    for _, b in blocks:
+        # a few MB of rows at a time: the round trip of a whole embedding would hold two copies of it at load
+        parts = b.split(max(1, (1 << 20) // max(1, b[0].numel()))) if b.dim() > 1 else [b]
+        if not all(torch.equal(p.to(dtype).to(p.dtype), p) for p in parts):
+            return False
+    return True
 
 
 def _narrowest(t: torch.Tensor | Rows) -> torch.dtype:
