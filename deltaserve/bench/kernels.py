@@ -109,7 +109,7 @@ def kernel_rates() -> list[dict]:
     if ext.q8_int8():
         rows += _q8_rates(ext, M, N)
     rows += _bf16_rates(ext, M, N)
-    rows += [_f16_row(ext, M, N), _f16_row(ext, 2 * M, _ROWS)]
+    rows += [_f16_decode_row(ext), _f16_row(ext, M, N), _f16_row(ext, 2 * M, _ROWS)]
     a, b = torch.randn(M, _HIDDEN), torch.randn(N, _HIDDEN)
     t = _best(lambda: torch.mm(a, b.T))
     rows.append(dict(kernel="torch.mm prefill", format="F32", shape=f"{M}x{N}x{_HIDDEN}", seconds=t,
@@ -166,6 +166,15 @@ def _bf16_rates(ext, M: int, N: int) -> list[dict]:
     out.append(dict(kernel="linear_bf16 prefill", format="BF16", shape=f"{M}x{N}x{_HIDDEN}", seconds=t,
                     rate=2 * M * N * _HIDDEN / t / 1e9, unit="GFLOP/s", peak="bf16_gflops"))
     return out
+
+
+def _f16_decode_row(ext) -> dict:
+    """The float16 decode GEMV (ops/csrc/gemv.h: float32 activations, weights widened in registers)."""
+    mats = [(torch.randn(_ROWS, _HIDDEN) * 0.05).half() for _ in range(max(1, (128 << 20) // (_ROWS * _HIDDEN * 2)))]
+    x, y = torch.randn(1, _HIDDEN), torch.empty(1, _ROWS)
+    t = _fastest_of([lambda w=w: ext.linear_f16(x, w, y) for w in mats * 3])
+    shares = _thread_rate([lambda w=w: ext.linear_f16_shares(x, w, y) for w in mats * 3], 2 * _HIDDEN)
+    return _decode_row("linear_f16 decode", "F16", t, mats[0].nbytes, shares)
 
 
 def _f16_row(ext, M: int, N: int) -> dict:

@@ -8,69 +8,54 @@
 #include <cmath>
 #include <vector>
 
+#include "shares.h"
+
 namespace deltaserve {
 
 // The GEMVs below prefetch the weight stream this many bytes ahead: the hardware prefetchers alone
 // reach 15-19 GB/s here, with this 24-26 GB/s (streaming 0.8B weights, 2 threads).
 constexpr int64_t kGemvPrefetch = 4096;
+constexpr int64_t kF16Prefetch = 8192;  // linear_f16's, into L2 (f16_dots says why)
 
-// sums[r * MB + m] = weight row r [K] (float16, rows ws apart) . x row m [K] (rows ld apart), for R weight rows and MB
-// rows of x. Both counts are known at compile time so the accumulators stay in registers (with a run-time count
-// they lived on the stack, and 3 rows cost 2.6x one). Each sum has two accumulator chains, so with K = 256 one row
-// is 8 dependent FMAs: R = 2 runs two rows' chains side by side and shares each x load between them. The
-// summation order of a sum is the same for every R and MB, so a row's result does not depend on the batch.
-template <int64_t R, int64_t MB>
-inline void f16_dots(const uint16_t* wr, int64_t ws, const float* xp, int64_t ld, int64_t K, float* sums) {
+// sums[m] = weight row [K] (float16) . x row m [K] (rows ld apart), for MB rows of x. MB is known at compile time so
+// the accumulators stay in registers (with a run-time count they lived on the stack, and 3 rows cost 2.6x one).
+// The summation order is the same for every MB, so a row's result does not depend on the batch. The stream is
+// prefetched into L2, not L1: this loop is tight enough that prefetches into L1 held back its own loads (1 x 6144 x
+// 1024: 17 GB/s with T0 4 KB ahead, 26-28 with T1 8 KB ahead; two rows a pass, tried for latency, gained nothing).
+template <int64_t MB>
+inline void f16_dots(const uint16_t* w, const float* xp, int64_t ld, int64_t K, float* sums) {
   int64_t k = 0;
-  for (int64_t i = 0; i < R * MB; ++i) sums[i] = 0.f;
+  for (int64_t m = 0; m < MB; ++m) sums[m] = 0.f;
 #if defined(__AVX512F__)
-  __m512 acc[R][MB], acc2[R][MB];
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t m = 0; m < MB; ++m) acc[r][m] = acc2[r][m] = _mm512_setzero_ps();
+  __m512 acc[MB], acc2[MB];
+  for (int64_t m = 0; m < MB; ++m) acc[m] = acc2[m] = _mm512_setzero_ps();
   for (; k + 32 <= K; k += 32) {
-    __m512 wv[R], wv2[R];
-    for (int64_t r = 0; r < R; ++r) {
-      const uint16_t* w = wr + r * ws + k;
-      _mm_prefetch(reinterpret_cast<const char*>(w) + kGemvPrefetch, _MM_HINT_T0);
-      wv[r] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-      wv2[r] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16)));
-    }
+    _mm_prefetch(reinterpret_cast<const char*>(w + k) + kF16Prefetch, _MM_HINT_T1);
+    const __m512 wv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)));
+    const __m512 wv2 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k + 16)));
     for (int64_t m = 0; m < MB; ++m) {
-      const __m512 x = _mm512_loadu_ps(xp + m * ld + k), x2 = _mm512_loadu_ps(xp + m * ld + k + 16);
-      for (int64_t r = 0; r < R; ++r) {
-        acc[r][m] = _mm512_fmadd_ps(wv[r], x, acc[r][m]);
-        acc2[r][m] = _mm512_fmadd_ps(wv2[r], x2, acc2[r][m]);
-      }
+      acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xp + m * ld + k), acc[m]);
+      acc2[m] = _mm512_fmadd_ps(wv2, _mm512_loadu_ps(xp + m * ld + k + 16), acc2[m]);
     }
   }
-  for (; k + 16 <= K; k += 16)
-    for (int64_t r = 0; r < R; ++r) {
-      const __m512 wv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + r * ws + k)));
-      for (int64_t m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xp + m * ld + k), acc[r][m]);
-    }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t m = 0; m < MB; ++m) sums[r * MB + m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m], acc2[r][m]));
+  for (; k + 16 <= K; k += 16) {
+    const __m512 wv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)));
+    for (int64_t m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xp + m * ld + k), acc[m]);
+  }
+  for (int64_t m = 0; m < MB; ++m) sums[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], acc2[m]));
 #endif
-  for (; k < K; ++k)
-    for (int64_t r = 0; r < R; ++r) {
-      const float wk = static_cast<float>(c10::Half(wr[r * ws + k], c10::Half::from_bits()));
-      for (int64_t m = 0; m < MB; ++m) sums[r * MB + m] += wk * xp[m * ld + k];
-    }
+  for (; k < K; ++k) {
+    const float wk = static_cast<float>(c10::Half(w[k], c10::Half::from_bits()));
+    for (int64_t m = 0; m < MB; ++m) sums[m] += wk * xp[m * ld + k];
+  }
 }
 
-// y[m, n] for output rows n in [lo, hi) and MB rows of x: two weight rows at a time where MB leaves the registers
-// for their accumulators (4 R MB of 32), then one.
+// y[m, n] for output rows n in [lo, hi) and MB rows of x.
 template <int64_t MB>
 void f16_rows(const uint16_t* wp, const float* xp, float* yp, int64_t K, int64_t N, int64_t lo, int64_t hi) {
-  float sums[2 * MB];
-  int64_t n = lo;
-  if (MB <= 4)
-    for (; n + 2 <= hi; n += 2) {
-      f16_dots<2, MB>(wp + n * K, K, xp, K, K, sums);
-      for (int64_t m = 0; m < MB; ++m) yp[m * N + n] = sums[m], yp[m * N + n + 1] = sums[MB + m];
-    }
-  for (; n < hi; ++n) {
-    f16_dots<1, MB>(wp + n * K, K, xp, K, K, sums);
+  float sums[MB];
+  for (int64_t n = lo; n < hi; ++n) {
+    f16_dots<MB>(wp + n * K, xp, K, K, sums);
     for (int64_t m = 0; m < MB; ++m) yp[m * N + n] = sums[m];
   }
 }
@@ -89,6 +74,7 @@ void linear_f16(torch::Tensor x, torch::Tensor w, torch::Tensor y) {
                                         f16_rows<5>, f16_rows<6>, f16_rows<7>, f16_rows<8>};
   constexpr int64_t NB = 16;  // weight rows per step: past 8 rows of x, the next block reads them again from L1 / L2
   at::parallel_for(0, N, NB, [&](int64_t lo, int64_t hi) {
+    const ShareClock clock(hi - lo);
     for (int64_t n0 = lo; n0 < hi; n0 += NB)
       for (int64_t m0 = 0; m0 < M; m0 += MB)
         rows[std::min(MB, M - m0)](wp, xp + m0 * K, yp + m0 * N, K, N, n0, std::min(hi, n0 + NB));

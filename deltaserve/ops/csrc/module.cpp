@@ -28,6 +28,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdn_core", &deltaserve::gdn_core, "a GDN layer's conv, gates, delta rule and gated norm at inference (CPU)");
   m.def("conv_forward", &deltaserve::conv_forward, "short causal depthwise conv with state (CPU, float32)");
   m.def("linear_f16", &deltaserve::linear_f16, "float32 activations times float16 weights, decode GEMV (CPU)");
+  m.def("linear_f16_shares", [](torch::Tensor x, torch::Tensor w, torch::Tensor y) {
+          return deltaserve::timed_shares([&] { deltaserve::linear_f16(x, w, y); });
+        }, "linear_f16, each thread's share timed (bench)");
   m.def("linear_f16_gemm", &deltaserve::f16::linear_f16_gemm, "float32 activations times float16 weights, prefill GEMM (CPU)");
   m.def("linear_f16_gemm_shares", [](torch::Tensor x, torch::Tensor w, torch::Tensor y) {
           return deltaserve::timed_shares([&] { deltaserve::f16::linear_f16_gemm(x, w, y); });
