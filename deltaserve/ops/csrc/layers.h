@@ -9,6 +9,8 @@
 #include <cmath>
 #include <vector>
 
+#include "attn_step.h"
+
 namespace deltaserve {
 
 // out = x / sqrt(mean(x^2) + eps) * w over rows of D = w.numel(); x, out float32 contiguous [..., D] (out may be
@@ -103,29 +105,6 @@ void norm_rope_rows(torch::Tensor proj, torch::Tensor q_norm, torch::Tensor k_no
   });
 }
 
-// Cached keys / values of one kv head lie nkv * hd elements apart: requested this many rows ahead.
-constexpr int64_t kRowsAhead = 8;
-
-template <typename T>
-inline void prefetch_row(const T* p, int64_t n) {
-  const char* b = reinterpret_cast<const char*>(p);
-  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) _mm_prefetch(b + i, _MM_HINT_T0);
-}
-
-// A cache row as float32: float32 caches are read where they lie, float16 ones widened into buf.
-inline const float* widen(const float* p, float*, int64_t) { return p; }
-
-inline const float* widen(const at::Half* p, float* buf, int64_t n) {
-  const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(buf + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
-#endif
-  for (; i < n; ++i) buf[i] = static_cast<float>(p[i]);
-  return buf;
-}
-
 inline void store_row(const float* x, float* dst, int64_t n) { std::copy(x, x + n, dst); }
 
 inline void store_row(const float* x, at::Half* dst, int64_t n) {
@@ -175,41 +154,22 @@ void attention_step_impl(torch::Tensor proj, torch::Tensor q_norm, torch::Tensor
       }
       const CacheT* keys = kc + (slot[m] * L * nkv + j) * hd;  // key t at keys + t * nkv * hd
       const CacheT* vals = vc + (slot[m] * L * nkv + j) * hd;
-      scores.assign(group * (n + 1), 0.f);
-      for (int64_t t = 0; t <= n; ++t) {
-        if (t + kRowsAhead <= n) prefetch_row(keys + (t + kRowsAhead) * nkv * hd, hd);
-        const float* kt = widen(keys + t * nkv * hd, buf.data(), hd);
-        for (int64_t h = 0; h < group; ++h) {
-          const float* qh = q.data() + h * hd;
-          float d = 0.f;
-#pragma omp simd reduction(+ : d)
-          for (int64_t i = 0; i < hd; ++i) d += qh[i] * kt[i];
-          scores[h * (n + 1) + t] = d * static_cast<float>(scale);
-        }
-      }
+      const int64_t cnt = n + 1;  // the visible keys, the new one included
+      scores.resize(group * cnt);
+      step::scores(q.data(), group, keys, nkv * hd, cnt, hd, static_cast<float>(scale), scores.data(), cnt, buf.data());
       for (int64_t h = 0; h < group; ++h) {  // softmax over the visible keys
-        float* sc = scores.data() + h * (n + 1);
-        const float mx = *std::max_element(sc, sc + n + 1);
+        float* sc = scores.data() + h * cnt;
+        const float mx = *std::max_element(sc, sc + cnt);
 #pragma omp simd
-        for (int64_t t = 0; t <= n; ++t) sc[t] = std::exp(sc[t] - mx);
+        for (int64_t t = 0; t < cnt; ++t) sc[t] = std::exp(sc[t] - mx);
         float sum = 0.f;
-        for (int64_t t = 0; t <= n; ++t) sum += sc[t];
+        for (int64_t t = 0; t < cnt; ++t) sum += sc[t];
         const float inv = 1.f / sum;
 #pragma omp simd
-        for (int64_t t = 0; t <= n; ++t) sc[t] *= inv;
+        for (int64_t t = 0; t < cnt; ++t) sc[t] *= inv;
       }
       float* o = op + m * nh * hd + j * group * hd;
-      std::fill(o, o + group * hd, 0.f);
-      for (int64_t t = 0; t <= n; ++t) {
-        if (t + kRowsAhead <= n) prefetch_row(vals + (t + kRowsAhead) * nkv * hd, hd);
-        const float* vt = widen(vals + t * nkv * hd, buf.data(), hd);
-        for (int64_t h = 0; h < group; ++h) {
-          const float p = scores[h * (n + 1) + t];
-          float* oh = o + h * hd;
-#pragma omp simd
-          for (int64_t i = 0; i < hd; ++i) oh[i] += p * vt[i];
-        }
-      }
+      step::values(scores.data(), cnt, group, vals, nkv * hd, cnt, hd, o, buf.data());
       for (int64_t h = 0; h < group; ++h) {  // output gate
         const float* g = row + (nh + j * group + h) * hd;
         float* oh = o + h * hd;
