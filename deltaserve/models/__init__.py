@@ -47,7 +47,7 @@ def load_model(ckpt, dtype=None, device="cpu", weight_dtype=None, kv_dtype=None,
 def _stored_dtype(ckpt):
     """How to keep the matmul weights: in the file's own form (torch.int8) if any tensor is quantised, else
     judged by the file's embedding (the largest tensor): bfloat16 for a bf16 GGUF file or transformers checkpoint
-    (kept exactly, see common.build), float16 for an F16 GGUF file."""
+    (kept exactly, see common.build), float16 for an F16 GGUF file or transformers checkpoint."""
     import gguf
     import torch
 
@@ -55,7 +55,8 @@ def _stored_dtype(ckpt):
     if not hasattr(ckpt, "metadata"):
         embed = next((n for n in ("model.language_model.embed_tokens.weight", "model.embed_tokens.weight")
                       if ckpt.has(n)), None)
-        return torch.bfloat16 if embed is not None and ckpt.dtype(embed) == "BF16" else torch.float32
+        kept = {"BF16": torch.bfloat16, "F16": torch.float16}
+        return kept.get(ckpt.dtype(embed), torch.float32) if embed is not None else torch.float32
     if not ckpt.has("token_embd.weight"):
         return torch.float32
     if any(ckpt.qtype(n) not in (Q.F32, Q.F64, Q.F16, Q.BF16) for n in ckpt.names()):

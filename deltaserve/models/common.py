@@ -27,7 +27,8 @@ def build(cls, ckpt, *, dtype: torch.dtype, device, weight_dtype: torch.dtype | 
     (default `dtype`, the dtype the activations are computed in). weight_dtype=torch.int8 keeps the matmul
     weights in the file's own form (see _file_form): no value of a float or Q8_0 tensor changes.
     weight_dtype=torch.bfloat16 beside float32 activations keeps the matmul weights (linear(), the embedding,
-    experts) in bfloat16 where that is exact (a bf16 file's), the other parameters in float32.
+    experts) in bfloat16 where that is exact (a bf16 file's), the other parameters in float32; so does
+    weight_dtype=torch.float16 for a transformers checkpoint (float16 where bfloat16 is not exact).
     part: this process's part of a model spread over several (deltaserve.dist): part.cut(model) returns the
     model it holds (still on the meta device: some layers, or every layer with a share of the heads), and
     part.shard(name, t) the share of a parameter read whole; only the parameters left are read."""
@@ -55,8 +56,9 @@ def build(cls, ckpt, *, dtype: torch.dtype, device, weight_dtype: torch.dtype | 
     stored = weight_dtype or dtype
     keep = {name for name, _ in model.named_parameters() if name.endswith(cls.keep_fp32)}
     file_form = stored == torch.int8
-    # bfloat16 matmul weights beside float32 activations: the rest (norms, gates, conv) widened to float32
-    narrow = stored == torch.bfloat16 and dtype == torch.float32
+    # bfloat16 (or a transformers checkpoint's float16) matmul weights beside float32 activations: the rest (norms,
+    # gates, conv) widened to float32, so a tensor the checkpoint keeps in float32 is never rounded
+    narrow = dtype == torch.float32 and (stored == torch.bfloat16 or (stored == torch.float16 and fmt == "hf"))
     matmul = set()
     if file_form or narrow:  # only weights that linear() / embed_tokens() read may stay quantised or in bfloat16
         matmul = ({f"{m}.weight" for m, mod in model.named_modules() if isinstance(mod, Linear)} | {"embed.weight"}

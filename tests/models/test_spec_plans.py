@@ -99,3 +99,24 @@ def test_chained_drafts_match_the_float64_mtp_and_the_modules(tiny, with_mtp, mo
     torch.testing.assert_close(state.k[i][:, :18], by_modules.k[i][:, :18], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(state.v[i][:, :18], by_modules.v[i][:, :18], rtol=1e-5, atol=1e-6)
     assert state.k[i][:, :18].abs().amax((-2, -1)).gt(0).sum() == 14 + 3 + 9 + 1  # every written row, no other
+
+
+def test_chained_drafts_on_bfloat16_weights_match_the_modules(tiny, with_mtp, tmp_path, monkeypatch):
+    """A bf16 checkpoint keeps its embedding and matmul weights bfloat16: the MTP plan takes it (a dense layer) and
+    drafts what the modules draft, step by step, on the same weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path, _ = with_mtp
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({n: t.bfloat16().contiguous() for n, t in tensors.items()}, tmp_path / "model.safetensors")
+    model = QwenModel.from_checkpoint(open_checkpoint(tmp_path), weight_dtype=torch.bfloat16)
+    assert model.embed.weight.dtype == torch.bfloat16
+    drafts, _ = draft_run(model, [3, 2])
+    planned = any(key[0] == "mtp" and plan is not None for key, plan in model.__dict__["_decode_plans"].items())
+    assert planned == (tiny.family == "qwen3_5")
+    monkeypatch.setattr(QwenModel, "mtp_draft", HybridModel.mtp_draft)
+    monkeypatch.setattr(QwenModel, "mtp_follow", HybridModel.mtp_follow)
+    assert draft_run(model, [3, 2])[0] == drafts

@@ -9,7 +9,7 @@ from deltaserve.models.common import Rows
 from deltaserve.loader import open_checkpoint
 from deltaserve.models import layers
 from deltaserve.models.layers import Linear, dequantize
-from deltaserve.convert import make_model
+from deltaserve.convert import make_model, write_hf_dir
 
 
 @pytest.mark.parametrize("file_dtype, stored, text", [
@@ -57,3 +57,27 @@ def test_f16_prefill_matches_float64(arch, tmp_path):
     ref = LLM(path, max_len=512, dtype=torch.float64, kv_dtype=torch.float64).score(ids).double()
     got = kept.score(ids).double()
     assert float((got - ref).abs().max() / ref.std()) < 2e-4
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_f16_hf_dir_keeps_float16(arch, tmp_path):
+    """A transformers checkpoint in float16 keeps its matmul weights float16 with the file's values (the rest
+    float32), and gives what the same directory widened to float32 gives: prefill, greedy decode."""
+    path = tmp_path / f"{arch}.gguf"
+    make_model(arch, "tiny", "f16", path, seed=5)
+    src = LLM(path, max_len=128, weight_dtype=torch.float32, kv_dtype=torch.float32)
+    write_hf_dir(tmp_path / "hf", src.model.config, src.model.state_dict(), src.tokenizer, dtype=torch.float16)
+    kept = LLM(tmp_path / "hf", max_len=128, kv_dtype=torch.float32)
+    f32 = LLM(tmp_path / "hf", max_len=128, weight_dtype=torch.float32, kv_dtype=torch.float32)
+    linears = [m.weight for m in kept.model.modules() if isinstance(m, Linear)]
+    assert all(w.dtype in (torch.float16, torch.bfloat16) for w in linears)  # bfloat16 where that is exact
+    assert sum(w.dtype == torch.float16 for w in linears) > len(linears) // 2
+    assert kept.model.embed.weight.dtype == torch.float16
+    assert torch.equal(kept.model.embed.weight.float(), f32.model.embed.weight)
+    norms = [p for n, p in kept.model.named_parameters() if n.endswith("norm.weight")]
+    assert norms and all(p.dtype == torch.float32 for p in norms)
+    ids = kept.tokenizer.encode("The weights are stored in half precision, the sums are not.")
+    torch.testing.assert_close(kept.score(ids), f32.score(ids), rtol=1e-5, atol=1e-5)
+    a = kept.generate(ids, max_tokens=12, temperature=0, ignore_eos=True)
+    b = f32.generate(ids, max_tokens=12, temperature=0, ignore_eos=True)
+    assert a.token_ids == b.token_ids

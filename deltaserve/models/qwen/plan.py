@@ -12,7 +12,7 @@ plain steps. The plan is built once per range of layers.
 The MTP layer (models/mtp.py) has a plan of its own (MTPPlan): k chained greedy drafts in one call, and the keys and
 values a trunk pass leaves in its cache without its attention output (through the modules a draft step cost ~50
 small torch ops, 0.3 ms on the embedded model where its arithmetic takes a fifth of that). It applies where the
-layer's feed-forward is a dense MLP and the embedding float32 or float16; elsewhere (qwen35moe's MoE layer,
+layer's feed-forward is a dense MLP and the embedding float32, float16 or bfloat16; elsewhere (qwen35moe's MoE layer,
 quantised embeddings) models/mtp.py runs the modules, with the same drafts.
 """
 
@@ -168,7 +168,7 @@ def _mtp_plan(model):
 def _build_mtp(model):
     mtp, ext = model.mtp, fused.extension()
     embed = model.embed.weight
-    if (mtp is None or packed.is_packed(embed) or embed.dtype not in (torch.float16, torch.float32)
+    if (mtp is None or packed.is_packed(embed) or embed.dtype not in (torch.float16, torch.bfloat16, torch.float32)
             or not embed.is_contiguous() or len({mtp.enorm.eps, mtp.hnorm.eps, mtp.norm.eps}) != 1):
         return None
     layer = _build_layers(ext, [mtp.layer])

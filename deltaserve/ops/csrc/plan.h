@@ -213,12 +213,13 @@ class DecodePlan {
 //     g_p = norm(layer(fc([enorm(embed(x_p)) | hnorm(h_{p-1})])))        logits_p = head(g_p)
 class MTPPlan {
  public:
-  // embed [V, E] float32 or float16 (the trunk's table); layer: a DecodePlan of the one attention decoder layer
+  // embed [V, E] float32, float16 or bfloat16 (the trunk's table); layer: a DecodePlan of the one attention decoder layer
   MTPPlan(torch::Tensor embed, torch::Tensor enorm, torch::Tensor hnorm, double eps, const LinearRef& fc,
           const DecodePlan& layer, torch::Tensor norm, const LinearRef& head)
       : embed_(embed), enorm_(enorm), hnorm_(hnorm), norm_(norm), eps_(eps), fc_(fc), layer_(layer), head_(head) {
-    TORCH_CHECK(embed.dim() == 2 && (embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kHalf),
-                "MTPPlan: the embedding must be float32 or float16 [V, E]");
+    TORCH_CHECK(embed.dim() == 2 && (embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kHalf ||
+                                     embed.scalar_type() == at::kBFloat16),
+                "MTPPlan: the embedding must be float32, float16 or bfloat16 [V, E]");
     TORCH_CHECK(layer.size() == 1, "MTPPlan: one decoder layer");
   }
 
