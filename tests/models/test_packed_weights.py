@@ -33,6 +33,8 @@ def packed_matrix(segments, K, seed=0, x_index=None, panels=False):
     raws, values = [], []
     for qtype, n in segments:
         blocks = random_blocks(qtype, n * K // GGML_QUANT_SIZES[qtype][0], rng)
+        if qtype == Q.MXFP4:  # block exponents near 2^0 (random bytes reach 2^127: products overflow)
+            blocks[:, 0] = rng.integers(118, 138, size=blocks.shape[0])
         raws.append(blocks.reshape(-1))
         values.append(gguf_quants.dequantize(blocks.reshape(n, -1), qtype).astype(np.float64))
     w = packed.parameter(torch.from_numpy(np.concatenate(raws)),
@@ -72,6 +74,16 @@ def test_rows_are_the_files_values(qtype, panels):
     assert torch.equal(embed_tokens(w, ids, torch.float32).double(), ref[ids])
 
 
+def test_mxfp4_every_exponent():
+    """MXFP4's E8M0 block exponents, every byte (the subnormal halves of 0 and 1, the overflow of 255), bit for bit."""
+    rng = np.random.default_rng(7)
+    blocks = random_blocks(Q.MXFP4, 256 * 3, rng)
+    blocks[:, 0] = np.repeat(np.arange(256, dtype=np.uint8), 3)
+    ref = torch.from_numpy(gguf_quants.dequantize(blocks.reshape(256, -1), Q.MXFP4).astype(np.float64))
+    w = packed.parameter(torch.from_numpy(blocks.reshape(-1)), packed.Packing(((Q.MXFP4, 256),), (256, 96)))
+    assert torch.equal(dequantize(w, torch.float32).double(), ref)
+
+
 # the GEMV kernel up to 16 activation rows (8 per pass over a row: 9 and 16 take two), above them GEMMs on
 # blocks of 64 dequantised rows (here: 150 output rows make three)
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 40], ids=lambda r: f"rows{r}")
@@ -97,6 +109,19 @@ def test_mixed_types_and_held_column_order(rows, panels):
     order = torch.randperm(K, generator=torch.Generator().manual_seed(1))
     w, ref = packed_matrix([(Q.Q6_K, 21), (Q.Q4_K, 35), (Q.Q6_K, 3), (Q.IQ4_XS, 9), (Q.Q5_K, 17)], K, seed=2,
                            x_index=order, panels=panels)
+    assert torch.equal(dequantize(w, torch.float32).double(), ref)
+    x = torch.randn(rows, K)
+    assert_matmul(linear(x, w), x, ref)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9], ids=lambda r: f"rows{r}")
+def test_mixed_types_with_offsets_and_small_blocks(rows):
+    """Segments of every type in turn (offsets per 16, per 32, per block; blocks of 32 and 256) in one matrix: a
+    row's visitor, and the per-32 sums of x that one activation row's offsets take, must follow the segments."""
+    K = 768
+    order = torch.randperm(K, generator=torch.Generator().manual_seed(4))
+    w, ref = packed_matrix([(Q.Q2_K, 7), (Q.Q4_1, 5), (Q.Q3_K, 11), (Q.Q5_1, 9), (Q.MXFP4, 4), (Q.Q5_0, 3),
+                            (Q.Q4_K, 6), (Q.Q2_K, 2)], K, seed=6, x_index=order)
     assert torch.equal(dequantize(w, torch.float32).double(), ref)
     x = torch.randn(rows, K)
     assert_matmul(linear(x, w), x, ref)
@@ -152,7 +177,7 @@ def test_avx2_build_of_the_kernels():
     done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "rows_are or mixed or experts or (linear_matches and out37)"],
+                           "-k", "rows_are or mixed or experts or every_exponent or (linear_matches and out37)"],
                           env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:]
 
