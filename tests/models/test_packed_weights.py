@@ -8,7 +8,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
-from deltaserve.models import packed
+from deltaserve.models import layers, packed
 from deltaserve.models.layers import dequantize, embed_tokens, linear, part
 from deltaserve.ops import fused
 from tests.loader.test_quants import random_blocks
@@ -19,8 +19,10 @@ TYPES = sorted(packed.TYPES)
 @pytest.fixture(autouse=True)
 def float_activations(monkeypatch):
     """This file holds the float kernels (float32 activations, exact weights) to float32 accuracy; the integer
-    kernels that K-quant matrices take by default are held to theirs in test_int8_dot.py."""
+    kernels that K-quant matrices take by default are held to theirs in test_int8_dot.py (and Q8_0's, which an
+    MXFP4_MOE file keeps beside its experts, in test_q8_weights.py)."""
     monkeypatch.setattr(packed, "INT8_ACTIVATIONS", False)
+    monkeypatch.setattr(layers, "Q8_INT8_ACTIVATIONS", False)
 
 
 def packed_matrix(segments, K, seed=0, x_index=None, panels=False):
@@ -201,11 +203,14 @@ def quantised(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch, qtype", [("qwen35", "Q4_K_M"), ("qwen35moe", "Q4_K_M"), ("qwen3next", "IQ4_XS"),
-                                         ("qwen35", "Q5_K_M"), ("qwen35", "Q4_0")])
+                                         ("qwen35", "Q5_K_M"), ("qwen35", "Q4_0"), ("qwen35", "Q4_1"),
+                                         ("qwen35", "Q5_0"), ("qwen35", "Q5_1"), ("qwen35", "Q2_K"),
+                                         ("qwen35", "Q3_K_M"), ("qwen35moe", "MXFP4_MOE")])
 def test_quantised_model_keeps_the_files_blocks(arch, qtype, quantised):
-    """Loaded by default, every matmul weight stays as the file's bytes (parameter bytes == tensor bytes) and
-    the logits match the same file loaded with float32 weights: prefill (> 16 tokens: GEMMs on dequantised
-    rows), decode (the GEMV) and greedy generation."""
+    """Loaded by default, every matmul weight of a type in packed.TYPES stays as the file's bytes (parameter
+    bytes == tensor bytes; a Q8_0 tensor, as MXFP4_MOE keeps all but the experts, is held as int8 + scales)
+    and the logits match the same file loaded with float32 weights: prefill (> 16 tokens: GEMMs on
+    dequantised rows), decode (the GEMV) and greedy generation."""
     from deltaserve.engine.llm import LLM
     from deltaserve.loader import open_checkpoint
     from deltaserve.models.layers import Linear
@@ -216,12 +221,15 @@ def test_quantised_model_keeps_the_files_blocks(arch, qtype, quantised):
     model, ckpt = kept.model, open_checkpoint(path)
     weights = [m.weight for m in model.modules() if isinstance(m, Linear)] + [model.embed.weight]
     weights += [p for n, p in model.named_parameters() if ".experts." in n]
-    kept_packed = [w for w in weights if not w.is_floating_point()]  # the file's F32 routers stay floats
-    assert kept_packed and all(packed.is_packed(w) for w in kept_packed)
-    # every quantised tensor of the file, and no more, is held as its bytes
-    file_bytes = sum(ckpt.nbytes(n) for n in ckpt.names() if ckpt.qtype(n) not in (Q.F32, Q.F16))
+    not_float = [w for w in weights if not w.is_floating_point()]  # the file's F32 routers stay floats
+    kept_packed = [w for w in not_float if packed.is_packed(w)]
+    q8 = any(ckpt.qtype(n) == Q.Q8_0 for n in ckpt.names())
+    assert kept_packed and (q8 or len(kept_packed) == len(not_float))
+    # every tensor of the file in a packed type, and no more, is held as its bytes
+    file_bytes = sum(ckpt.nbytes(n) for n in ckpt.names() if ckpt.qtype(n) in packed.TYPES)
     assert sum(w.nbytes for w in kept_packed) == file_bytes
-    assert torch.equal(dequantize(model.embed.weight, torch.float32), ckpt.load("token_embd.weight"))
+    if packed.is_packed(model.embed.weight):
+        assert torch.equal(dequantize(model.embed.weight, torch.float32), ckpt.load("token_embd.weight"))
 
     text = "The river starts as a thin line of water high in the hills, and the stream grows loud."
     ids = kept.tokenizer.encode(text)
