@@ -150,7 +150,8 @@ def test_without_the_cpp_kernels(rows, monkeypatch):
     """Where no compiler builds the kernels, the torch dequantisers stand in."""
     monkeypatch.setattr(fused, "available", lambda: False)
     order = torch.randperm(512, generator=torch.Generator().manual_seed(3))
-    w, ref = packed_matrix([(Q.Q5_K, 7), (Q.Q6_K, 4)], 512, seed=4, x_index=order)
+    w, ref = packed_matrix([(Q.Q5_K, 7), (Q.Q6_K, 4), (Q.Q3_K, 3), (Q.Q4_1, 2), (Q.MXFP4, 2), (Q.Q2_K, 3)], 512,
+                           seed=4, x_index=order)
     x = torch.randn(rows, 512)
     assert_matmul(linear(x, w), x, ref)
     assert torch.equal(dequantize(w, torch.float32).double(), ref)
