@@ -1,4 +1,5 @@
-"""Matmul weights kept in the GGML blocks a GGUF file stores them in (Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0, IQ4_NL):
+"""Matmul weights kept in the GGML blocks a GGUF file stores them in (TYPES: the K-quants Q2_K .. Q6_K, IQ4_XS,
+Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4):
 never widened at load, read by C++ kernels that widen them in registers (decode) or a block of rows at a time
 (prefill, embedding lookups). A Q4_K_M file then takes its own size in memory, not twice it as float16.
 
@@ -23,7 +24,8 @@ from deltaserve.loader.memory import weight_empty
 from deltaserve.models.weights import IDENTITY, Cat, Leaf, Layout
 from deltaserve.ops import fused
 
-TYPES = frozenset({Q.Q4_0, Q.IQ4_NL, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})  # those the kernels read (kquants.h)
+TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.MXFP4, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+                   Q.IQ4_XS})  # those the float kernels read (kquants.h)
 INT8_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})  # with integer dot-product kernels in every build (int8dot.h)
 # Matrices all of int8_types() multiply activations rounded to int8 per 256 (llama.cpp's Q8_K), as llama.cpp does on
 # these files: its speed, and its rounding. False: float32 activations times the exact weights (slower).

@@ -8,7 +8,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
-from deltaserve.models import packed
+from deltaserve.models import layers, packed
 from deltaserve.models.layers import dequantize, embed_tokens, linear, part
 from deltaserve.ops import fused
 from tests.loader.test_quants import random_blocks
@@ -19,8 +19,10 @@ TYPES = sorted(packed.TYPES)
 @pytest.fixture(autouse=True)
 def float_activations(monkeypatch):
     """This file holds the float kernels (float32 activations, exact weights) to float32 accuracy; the integer
-    kernels that K-quant matrices take by default are held to theirs in test_int8_dot.py."""
+    kernels that K-quant matrices take by default are held to theirs in test_int8_dot.py (and Q8_0's, which an
+    MXFP4_MOE file keeps beside its experts, in test_q8_weights.py)."""
     monkeypatch.setattr(packed, "INT8_ACTIVATIONS", False)
+    monkeypatch.setattr(layers, "Q8_INT8_ACTIVATIONS", False)
 
 
 def packed_matrix(segments, K, seed=0, x_index=None, panels=False):
@@ -33,6 +35,8 @@ def packed_matrix(segments, K, seed=0, x_index=None, panels=False):
     raws, values = [], []
     for qtype, n in segments:
         blocks = random_blocks(qtype, n * K // GGML_QUANT_SIZES[qtype][0], rng)
+        if qtype == Q.MXFP4:  # block exponents near 2^0 (random bytes reach 2^127: products overflow)
+            blocks[:, 0] = rng.integers(118, 138, size=blocks.shape[0])
         raws.append(blocks.reshape(-1))
         values.append(gguf_quants.dequantize(blocks.reshape(n, -1), qtype).astype(np.float64))
     w = packed.parameter(torch.from_numpy(np.concatenate(raws)),
@@ -72,6 +76,16 @@ def test_rows_are_the_files_values(qtype, panels):
     assert torch.equal(embed_tokens(w, ids, torch.float32).double(), ref[ids])
 
 
+def test_mxfp4_every_exponent():
+    """MXFP4's E8M0 block exponents, every byte (the subnormal halves of 0 and 1, the overflow of 255), bit for bit."""
+    rng = np.random.default_rng(7)
+    blocks = random_blocks(Q.MXFP4, 256 * 3, rng)
+    blocks[:, 0] = np.repeat(np.arange(256, dtype=np.uint8), 3)
+    ref = torch.from_numpy(gguf_quants.dequantize(blocks.reshape(256, -1), Q.MXFP4).astype(np.float64))
+    w = packed.parameter(torch.from_numpy(blocks.reshape(-1)), packed.Packing(((Q.MXFP4, 256),), (256, 96)))
+    assert torch.equal(dequantize(w, torch.float32).double(), ref)
+
+
 # the GEMV kernel up to 16 activation rows (8 per pass over a row: 9 and 16 take two), above them GEMMs on
 # blocks of 64 dequantised rows (here: 150 output rows make three)
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 40], ids=lambda r: f"rows{r}")
@@ -103,6 +117,21 @@ def test_mixed_types_and_held_column_order(rows, panels):
 
 
 @pytest.mark.parametrize("panels", PANELS)
+@pytest.mark.parametrize("rows", [1, 3, 9], ids=lambda r: f"rows{r}")
+def test_mixed_types_with_offsets_and_small_blocks(rows, panels):
+    """Segments of every type in turn (offsets per 16, per 32, per block; blocks of 32 and 256) in one matrix: a
+    row's visitor, and the per-32 sums of x that one activation row's offsets take, must follow the segments;
+    with panels, the Q4_K rows (integer kernels' type) sit in panels while the others stay as in the file."""
+    K = 768
+    order = torch.randperm(K, generator=torch.Generator().manual_seed(4))
+    w, ref = packed_matrix([(Q.Q2_K, 7), (Q.Q4_1, 5), (Q.Q3_K, 11), (Q.Q5_1, 9), (Q.MXFP4, 4), (Q.Q5_0, 3),
+                            (Q.Q4_K, 19), (Q.Q2_K, 2)], K, seed=6, x_index=order, panels=panels)
+    assert torch.equal(dequantize(w, torch.float32).double(), ref)
+    x = torch.randn(rows, K)
+    assert_matmul(linear(x, w), x, ref)
+
+
+@pytest.mark.parametrize("panels", PANELS)
 def test_experts_are_parts_of_stacked_matrices(panels):
     K, n = 256, 3
     mats = [packed_matrix([(Q.Q4_K, 20), (Q.Q6_K, 17)], K, seed=e) for e in range(n)]
@@ -123,7 +152,8 @@ def test_without_the_cpp_kernels(rows, monkeypatch):
     """Where no compiler builds the kernels, the torch dequantisers stand in."""
     monkeypatch.setattr(fused, "available", lambda: False)
     order = torch.randperm(512, generator=torch.Generator().manual_seed(3))
-    w, ref = packed_matrix([(Q.Q5_K, 7), (Q.Q6_K, 4)], 512, seed=4, x_index=order)
+    w, ref = packed_matrix([(Q.Q5_K, 7), (Q.Q6_K, 4), (Q.Q3_K, 3), (Q.Q4_1, 2), (Q.MXFP4, 2), (Q.Q2_K, 3)], 512,
+                           seed=4, x_index=order)
     x = torch.randn(rows, 512)
     assert_matmul(linear(x, w), x, ref)
     assert torch.equal(dequantize(w, torch.float32).double(), ref)
@@ -152,7 +182,7 @@ def test_avx2_build_of_the_kernels():
     done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "rows_are or mixed or experts or (linear_matches and out37)"],
+                           "-k", "rows_are or mixed or experts or every_exponent or (linear_matches and out37)"],
                           env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:]
 
@@ -176,11 +206,14 @@ def quantised(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch, qtype", [("qwen35", "Q4_K_M"), ("qwen35moe", "Q4_K_M"), ("qwen3next", "IQ4_XS"),
-                                         ("qwen35", "Q5_K_M"), ("qwen35", "Q4_0")])
+                                         ("qwen35", "Q5_K_M"), ("qwen35", "Q4_0"), ("qwen35", "Q4_1"),
+                                         ("qwen35", "Q5_0"), ("qwen35", "Q5_1"), ("qwen35", "Q2_K"),
+                                         ("qwen35", "Q3_K_M"), ("qwen35moe", "MXFP4_MOE")])
 def test_quantised_model_keeps_the_files_blocks(arch, qtype, quantised):
-    """Loaded by default, every matmul weight stays as the file's bytes (parameter bytes == tensor bytes) and
-    the logits match the same file loaded with float32 weights: prefill (> 16 tokens: GEMMs on dequantised
-    rows), decode (the GEMV) and greedy generation."""
+    """Loaded by default, every matmul weight of a type in packed.TYPES stays as the file's bytes (parameter
+    bytes == tensor bytes; a Q8_0 tensor, as MXFP4_MOE keeps all but the experts, is held as int8 + scales)
+    and the logits match the same file loaded with float32 weights: prefill (> 16 tokens: GEMMs on
+    dequantised rows), decode (the GEMV) and greedy generation."""
     from deltaserve.engine.llm import LLM
     from deltaserve.loader import open_checkpoint
     from deltaserve.models.layers import Linear
@@ -191,12 +224,15 @@ def test_quantised_model_keeps_the_files_blocks(arch, qtype, quantised):
     model, ckpt = kept.model, open_checkpoint(path)
     weights = [m.weight for m in model.modules() if isinstance(m, Linear)] + [model.embed.weight]
     weights += [p for n, p in model.named_parameters() if ".experts." in n]
-    kept_packed = [w for w in weights if not w.is_floating_point()]  # the file's F32 routers stay floats
-    assert kept_packed and all(packed.is_packed(w) for w in kept_packed)
-    # every quantised tensor of the file, and no more, is held as its bytes
-    file_bytes = sum(ckpt.nbytes(n) for n in ckpt.names() if ckpt.qtype(n) not in (Q.F32, Q.F16))
+    not_float = [w for w in weights if not w.is_floating_point()]  # the file's F32 routers stay floats
+    kept_packed = [w for w in not_float if packed.is_packed(w)]
+    q8 = any(ckpt.qtype(n) == Q.Q8_0 for n in ckpt.names())
+    assert kept_packed and (q8 or len(kept_packed) == len(not_float))
+    # every tensor of the file in a packed type, and no more, is held as its bytes
+    file_bytes = sum(ckpt.nbytes(n) for n in ckpt.names() if ckpt.qtype(n) in packed.TYPES)
     assert sum(w.nbytes for w in kept_packed) == file_bytes
-    assert torch.equal(dequantize(model.embed.weight, torch.float32), ckpt.load("token_embd.weight"))
+    if packed.is_packed(model.embed.weight):
+        assert torch.equal(dequantize(model.embed.weight, torch.float32), ckpt.load("token_embd.weight"))
 
     text = "The river starts as a thin line of water high in the hills, and the stream grows loud."
     ids = kept.tokenizer.encode(text)

@@ -1,4 +1,5 @@
-// Weights kept in their GGML blocks (Q4_0, IQ4_NL: 32 weights a block; Q4_K, Q5_K, Q6_K, IQ4_XS: 256):
+// Weights kept in their GGML blocks (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4: 32 weights a block; Q2_K, Q3_K,
+// Q4_K, Q5_K, Q6_K, IQ4_XS: 256):
 // the block layouts, exact scalar decoders (the reference for kquants_avx512.h's, and the path of machines
 // without AVX-512) and the segment table of a packed matrix. The kernels reading them are in packed.h.
 //
@@ -18,7 +19,10 @@ namespace deltaserve {
 namespace kq {
 
 // GGML type ids (ggml.h's enum ggml_type)
-enum Type : int64_t { Q4_0 = 2, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
+enum Type : int64_t {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
+  IQ4_XS = 23, MXFP4 = 39
+};
 
 struct Layout {
   int64_t block, bytes;  // weights per block, bytes per block
@@ -27,7 +31,13 @@ struct Layout {
 inline Layout layout(int64_t type) {
   switch (type) {
     case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q5_0: return {32, 22};
+    case Q5_1: return {32, 24};
     case IQ4_NL: return {32, 18};
+    case MXFP4: return {32, 17};
+    case Q2_K: return {256, 84};
+    case Q3_K: return {256, 110};
     case Q4_K: return {256, 144};
     case Q5_K: return {256, 176};
     case Q6_K: return {256, 210};
@@ -44,6 +54,23 @@ inline float f16(const uint8_t* p) {
 
 // kvalues_iq4nl: IQ4's 16 non-uniform levels
 constexpr int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// kvalues_mxfp4: MXFP4's e2m1 values, doubled (the block's exponent is halved to match)
+constexpr int8_t kFP4Levels[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// ggml's GGML_E8M0_TO_FP32_HALF: 2^(e - 128) as float bits; exponents 0 and 1 give the subnormals 2^-128, 2^-127
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Q3_K sub-block i's scale (16 of 16 weights), 6 bits stored with an offset of 32: the low 4 in nibble i / 8 of
+// byte i % 8, the top 2 in bits 2 (i / 4) of byte 8 + i % 4
+inline int q3k_scale(const uint8_t* s, int i) {
+  return (((s[i % 8] >> 4 * (i / 8)) & 0xF) | (((s[8 + i % 4] >> 2 * (i / 4)) & 3) << 4)) - 32;
+}
 
 // ggml's get_scale_min_k4: sub-block j's 6-bit scale and min from the 12 packed bytes of a Q4_K / Q5_K block
 inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
@@ -81,6 +108,62 @@ inline void decode_iq4_nl(const uint8_t* b, float* y) {  // d f16 | qs[16]: y = 
   for (int j = 0; j < 16; ++j) {
     y[j] = d * static_cast<float>(kIQ4Levels[b[2 + j] & 0xF]);
     y[j + 16] = d * static_cast<float>(kIQ4Levels[b[2 + j] >> 4]);
+  }
+}
+
+inline void decode_q4_1(const uint8_t* b, float* y) {  // d f16 | m f16 | qs[16]: y = d * q + m
+  const float d = f16(b), m = f16(b + 2);
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * static_cast<float>(b[4 + j] & 0xF) + m;
+    y[j + 16] = d * static_cast<float>(b[4 + j] >> 4) + m;
+  }
+}
+
+// Q5_0 / Q5_1 codes: element j's low 4 bits in qs (as Q4_0), its fifth in bit j of the little-endian u32 qh
+inline int q5_code(const uint8_t* qh, const uint8_t* qs, int j) {
+  uint32_t h;
+  std::memcpy(&h, qh, 4);
+  return (j < 16 ? qs[j] & 0xF : qs[j - 16] >> 4) | (((h >> j) & 1) << 4);
+}
+
+inline void decode_q5_0(const uint8_t* b, float* y) {  // d f16 | qh[4] | qs[16]: y = d * (q - 16)
+  const float d = f16(b);
+  for (int j = 0; j < 32; ++j) y[j] = d * static_cast<float>(q5_code(b + 2, b + 6, j) - 16);
+}
+
+inline void decode_q5_1(const uint8_t* b, float* y) {  // d f16 | m f16 | qh[4] | qs[16]: y = d * q + m
+  const float d = f16(b), m = f16(b + 2);
+  for (int j = 0; j < 32; ++j) y[j] = d * static_cast<float>(q5_code(b + 4, b + 8, j)) + m;
+}
+
+inline void decode_mxfp4(const uint8_t* b, float* y) {  // e u8 | qs[16]: y = 2^(e - 128) * level(q)
+  const float d = e8m0_half(b[0]);
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * static_cast<float>(kFP4Levels[b[1 + j] & 0xF]);
+    y[j + 16] = d * static_cast<float>(kFP4Levels[b[1 + j] >> 4]);
+  }
+}
+
+// scales[16] (scale | min << 4) | qs[64] | d f16 | dmin f16: per 128-element half, element 32k + l is bits 2k of
+// qs[l]; a scale and min per 16 elements: y = (d * scale) * q - dmin * min
+inline void decode_q2_k(const uint8_t* b, float* y) {
+  const float d = f16(b + 80), dmin = f16(b + 82);
+  for (int e = 0; e < 256; ++e) {
+    const int n = e / 128, k = e % 128 / 32, l = e % 32, sc = b[e / 16];
+    const float dl = d * static_cast<float>(sc & 0xF), ml = dmin * static_cast<float>(sc >> 4);
+    y[e] = dl * static_cast<float>((b[16 + 32 * n + l] >> 2 * k) & 3) - ml;
+  }
+}
+
+// hmask[32] | qs[64] | scales[12] | d f16: the low 2 bits as Q2_K's, the third is bit 4n + k of hmask[l] (element
+// 128n + 32k + l), set meaning q, clear q - 4: y = (d * (scale - 32)) * q
+inline void decode_q3_k(const uint8_t* b, float* y) {
+  const float d = f16(b + 108);
+  for (int e = 0; e < 256; ++e) {
+    const int n = e / 128, k = e % 128 / 32, l = e % 32;
+    const float dl = d * static_cast<float>(q3k_scale(b + 96, e / 16));
+    const int q = ((b[32 + 32 * n + l] >> 2 * k) & 3) - (((b[l] >> (4 * n + k)) & 1) ? 0 : 4);
+    y[e] = dl * static_cast<float>(q);
   }
 }
 
@@ -151,7 +234,13 @@ inline void decode_iq4_xs(const uint8_t* b, float* y) {
 inline void decode_block(int64_t type, const uint8_t* b, float* y) {
   switch (type) {
     case Q4_0: return decode_q4_0(b, y);
+    case Q4_1: return decode_q4_1(b, y);
+    case Q5_0: return decode_q5_0(b, y);
+    case Q5_1: return decode_q5_1(b, y);
     case IQ4_NL: return decode_iq4_nl(b, y);
+    case MXFP4: return decode_mxfp4(b, y);
+    case Q2_K: return decode_q2_k(b, y);
+    case Q3_K: return decode_q3_k(b, y);
     case Q4_K: return decode_q4_k(b, y);
     case Q5_K: return decode_q5_k(b, y);
     case Q6_K: return decode_q6_k(b, y);

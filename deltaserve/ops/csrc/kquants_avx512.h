@@ -50,13 +50,30 @@ inline __m512 k4_steps(const uint8_t* b) {
 }
 
 // Every visitor below describes a block as sub-blocks ("groups") of kGroup weights, weight = scale * code
-// - offset: steps(b) gives the scales in lanes 0.. and (kOffsets) the offsets in lanes 8..15, codes(b, emit)
-// calls emit(e, c, g) with c the codes of weights e .. e + 15 as floats, in group g.
+// - offset: steps(b) gives the scales in lanes 0.. and (kOffsets) the offsets in lanes 8..15, or, with more
+// than 8 groups (kWideOffsets), offsets(b) gives them in a vector of their own; codes(b, emit) calls
+// emit(e, c, g) with c the codes of weights e .. e + 15 as floats, in group g.
 template <int BLOCK, int BYTES, int GROUPS, bool OFFSETS>
 struct Blocks {
   static constexpr int kBlock = BLOCK, kBytes = BYTES, kGroups = GROUPS, kGroup = BLOCK / GROUPS;
-  static constexpr bool kOffsets = OFFSETS;
+  static constexpr bool kOffsets = OFFSETS, kWideOffsets = OFFSETS && GROUPS > 8;
 };
+
+// Q4_1 / Q5_1's steps: d in lanes 0..7, -m in lanes 8..15 (scale * code - (-m) is the reference's d * q + m,
+// bit for bit)
+inline __m512 dm_steps(const uint8_t* b) {
+  return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16(b)), _mm512_set1_ps(-f16(b + 2)));
+}
+
+// Q5_0 / Q5_1: the 5-bit codes of a block's weights 0..15 (h = 0) or 16..31 (h = 1): the nibbles of qs with bit
+// 16h + i of the u32 qh moved to bit 4 of lane i (the permutes read bits 0..4)
+inline __m512i q5_index(const uint8_t* qh, const uint8_t* qs, int h) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  const __m512i v = bytes16(qs);
+  const __m512i high = _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(bits >> 16 * h)), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  return nibble_with(h ? _mm512_srli_epi32(v, 4) : v, _mm512_slli_epi32(high, 4));
+}
 
 struct VQ4_0 : Blocks<32, 18, 1, false> {  // d * (q - 8)
   static inline __m512 steps(const uint8_t* b) { return _mm512_set1_ps(f16(b)); }
@@ -74,6 +91,96 @@ struct VIQ4_NL : Blocks<32, 18, 1, false> {  // d * level(q)
     const __m512i v = bytes16(b + 2);
     emit(0, _mm512_permutexvar_ps(v, iq4_levels()), 0);
     emit(16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), iq4_levels()), 0);
+  }
+};
+
+struct VQ4_1 : Blocks<32, 20, 1, true> {  // d * q + m
+  static inline __m512 steps(const uint8_t* b) { return dm_steps(b); }
+  template <class F> static inline void codes(const uint8_t* b, F&& emit) {
+    const __m512i v = bytes16(b + 4);
+    emit(0, _mm512_permutexvar_ps(v, iota16()), 0);
+    emit(16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), iota16()), 0);
+  }
+};
+
+struct VQ5_0 : Blocks<32, 22, 1, false> {  // d * (q - 16)
+  static inline __m512 steps(const uint8_t* b) { return _mm512_set1_ps(f16(b)); }
+  template <class F> static inline void codes(const uint8_t* b, F&& emit) {
+    const __m512 low = _mm512_sub_ps(iota16(), _mm512_set1_ps(16.f));  // codes 0..15; 16..31 read iota16
+    emit(0, _mm512_permutex2var_ps(low, q5_index(b + 2, b + 6, 0), iota16()), 0);
+    emit(16, _mm512_permutex2var_ps(low, q5_index(b + 2, b + 6, 1), iota16()), 0);
+  }
+};
+
+struct VQ5_1 : Blocks<32, 24, 1, true> {  // d * q + m
+  static inline __m512 steps(const uint8_t* b) { return dm_steps(b); }
+  template <class F> static inline void codes(const uint8_t* b, F&& emit) {
+    const __m512 high = _mm512_add_ps(iota16(), _mm512_set1_ps(16.f));
+    emit(0, _mm512_permutex2var_ps(iota16(), q5_index(b + 4, b + 8, 0), high), 0);
+    emit(16, _mm512_permutex2var_ps(iota16(), q5_index(b + 4, b + 8, 1), high), 0);
+  }
+};
+
+struct VMXFP4 : Blocks<32, 17, 1, false> {  // 2^(e - 128) * level(q)
+  static inline __m512 steps(const uint8_t* b) { return _mm512_set1_ps(e8m0_half(b[0])); }
+  template <class F> static inline void codes(const uint8_t* b, F&& emit) {
+    const __m512 levels = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFP4Levels))));
+    const __m512i v = bytes16(b + 1);
+    emit(0, _mm512_permutexvar_ps(v, levels), 0);
+    emit(16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), levels), 0);
+  }
+};
+
+// Q2_K / Q3_K: 2-bit fields, weights 128n + 32k + 16h + i at bits 2k of byte 32n + 16h + i of qs; a scale per 16
+// weights, so group 8n + 2k + h. emit2(e, fields, g) with the fields of 16 weights shifted down to bits 0..1
+// (the bits above are the next fields: the permutes' tables repeat every 4 or 8 entries).
+template <class F> inline void k2_fields(const uint8_t* qs, F&& emit2) {
+  #pragma GCC unroll 8
+  for (int n = 0; n < 2; ++n) {
+    #pragma GCC unroll 8
+    for (int h = 0; h < 2; ++h) {
+      const __m512i v = bytes16(qs + 32 * n + 16 * h);
+      #pragma GCC unroll 8
+      for (int k = 0; k < 4; ++k) emit2(128 * n + 32 * k + 16 * h, _mm512_srli_epi32(v, 2 * k), n, k, h);
+    }
+  }
+}
+
+struct VQ2_K : Blocks<256, 84, 16, true> {  // (d * scale) * q - dmin * min, a scale and a min per 16
+  static inline __m512i nibbles(const uint8_t* b, int shift) {
+    return _mm512_and_si512(_mm512_srli_epi32(bytes16(b), shift), _mm512_set1_epi32(0xF));
+  }
+  static inline __m512 steps(const uint8_t* b) { return _mm512_mul_ps(_mm512_set1_ps(f16(b + 80)), _mm512_cvtepi32_ps(nibbles(b, 0))); }
+  static inline __m512 offsets(const uint8_t* b) { return _mm512_mul_ps(_mm512_set1_ps(f16(b + 82)), _mm512_cvtepi32_ps(nibbles(b, 4))); }
+  template <class F> static inline void codes(const uint8_t* b, F&& emit) {
+    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+    k2_fields(b + 16, [&](int e, __m512i v, int n, int k, int h) { emit(e, _mm512_permutexvar_ps(v, q), 8 * n + 2 * k + h); });
+  }
+};
+
+struct VQ3_K : Blocks<256, 110, 16, false> {  // (d * (scale - 32)) * q, q = low 2 bits - 4 unless the hmask bit
+  static inline __m512 steps(const uint8_t* b) {
+    alignas(16) uint8_t s[16] = {};
+    std::memcpy(s, b + 96, 12);  // the block's 12 scale bytes (a 16-byte load would run past the last block)
+    const __m512i v = bytes16(s);
+    // q3k_scale for all 16: the low nibble of byte i % 8 (i < 8) or its high (i >= 8), bits 2 (i / 4) of byte 8 + i % 4
+    const __m512i low = _mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7), v),
+                                          _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4));
+    const __m512i top = _mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_setr_epi32(8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11), v),
+                                          _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6));
+    const __m512i sc = _mm512_or_si512(_mm512_and_si512(low, _mm512_set1_epi32(0xF)),
+                                       _mm512_slli_epi32(_mm512_and_si512(top, _mm512_set1_epi32(3)), 4));
+    return _mm512_mul_ps(_mm512_set1_ps(f16(b + 108)), _mm512_cvtepi32_ps(_mm512_sub_epi32(sc, _mm512_set1_epi32(32))));
+  }
+  template <class F> static inline void codes(const uint8_t* b, F&& emit) {
+    // index bits 0..1 the low field, bit 2 the hmask bit: q = index - 4
+    const __m512 q = _mm512_setr_ps(-4, -3, -2, -1, 0, 1, 2, 3, -4, -3, -2, -1, 0, 1, 2, 3);
+    const __m512i hm[2] = {bytes16(b), bytes16(b + 16)};
+    k2_fields(b + 32, [&](int e, __m512i v, int n, int k, int h) {
+      const int bit = 4 * n + k;  // hmask bit of these weights, moved to bit 2
+      const __m512i high = bit >= 2 ? _mm512_srli_epi32(hm[h], bit - 2) : _mm512_slli_epi32(hm[h], 2 - bit);
+      emit(e, _mm512_permutexvar_ps(_mm512_ternarylogic_epi32(_mm512_set1_epi32(3), v, high, 0xCA), q), 8 * n + 2 * k + h);
+    });
   }
 };
 
@@ -165,10 +272,15 @@ struct VIQ4_XS : Blocks<256, 136, 8, false> {  // d * (scale - 32) * level(q)
 template <class V, class F>
 inline void block_values(const uint8_t* b, F&& emit) {
   const Lanes s(V::steps(b));
-  V::codes(b, [&](int e, __m512 c, int g) {
-    const __m512 w = _mm512_mul_ps(c, s[g]);
-    emit(e, V::kOffsets ? _mm512_sub_ps(w, s[8 + g]) : w);
-  });
+  if constexpr (V::kWideOffsets) {
+    const Lanes o(V::offsets(b));
+    V::codes(b, [&](int e, __m512 c, int g) { emit(e, _mm512_sub_ps(_mm512_mul_ps(c, s[g]), o[g])); });
+  } else {
+    V::codes(b, [&](int e, __m512 c, int g) {
+      const __m512 w = _mm512_mul_ps(c, s[g]);
+      emit(e, V::kOffsets ? _mm512_sub_ps(w, s[8 + g]) : w);
+    });
+  }
 }
 
 #pragma GCC pop_options

@@ -49,8 +49,9 @@ inline void dot_rows(const uint8_t* row, int64_t K, const float* x, float* sums)
   }
 }
 
-// x . row for one activation row, for visitors with codes(): each sub-block's codes are dotted with x first and
-// scaled once (and the mins once a block, against xsum: x summed per 32), so no table of values is built.
+// x . row for one activation row: each sub-block's codes are dotted with x first and scaled once (and the offsets
+// once a block, against xsum: x summed per 32), so no table of values is built. Not for kWideOffsets (offsets per
+// 16 weights), which dot_rows<V, 1> reads.
 template <class V>
 inline float dot_row1(const uint8_t* row, int64_t K, const float* x, const float* xsum) {
   __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -68,7 +69,10 @@ inline float dot_row1(const uint8_t* row, int64_t K, const float* x, const float
     const Lanes s(st);
 #pragma GCC unroll 16
     for (int g = 0; g < V::kGroups; ++g) acc[g % 4] = _mm512_fmadd_ps(part[g], s[g], acc[g % 4]);
-    if constexpr (V::kOffsets) off = _mm256_fmadd_ps(_mm512_extractf32x8_ps(st, 1), _mm256_loadu_ps(xsum + blk * 8), off);
+    if constexpr (V::kOffsets) {  // a block of 32 has its one offset in lane 8
+      const __m256 xs = V::kBlock == 256 ? _mm256_loadu_ps(xsum + blk * 8) : _mm256_setr_ps(xsum[blk], 0, 0, 0, 0, 0, 0, 0);
+      off = _mm256_fmadd_ps(_mm512_extractf32x8_ps(st, 1), xs, off);
+    }
   }
   const __m512 total = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
   const __m128 o = _mm_add_ps(_mm256_castps256_ps128(off), _mm256_extractf128_ps(off, 1));
@@ -89,7 +93,13 @@ template <class F>
 inline void with_visitor(int64_t type, F&& f) {
   switch (type) {
     case Q4_0: return f(VQ4_0{});
+    case Q4_1: return f(VQ4_1{});
+    case Q5_0: return f(VQ5_0{});
+    case Q5_1: return f(VQ5_1{});
     case IQ4_NL: return f(VIQ4_NL{});
+    case MXFP4: return f(VMXFP4{});
+    case Q2_K: return f(VQ2_K{});
+    case Q3_K: return f(VQ3_K{});
     case Q4_K: return f(VQ4_K{});
     case Q5_K: return f(VQ5_K{});
     case Q6_K: return f(VQ6_K{});
@@ -105,7 +115,10 @@ inline void dot_packed(int64_t type, int64_t mb, const uint8_t* row, int64_t K, 
   with_visitor(type, [&](auto v) {
     using V = decltype(v);
     switch (mb) {
-      case 1: sums[0] = dot_row1<V>(row, K, x, xsum); return;
+      case 1:
+        if constexpr (V::kWideOffsets) dot_rows<V, 1>(row, K, x, sums);
+        else sums[0] = dot_row1<V>(row, K, x, xsum);
+        return;
       case 2: return dot_rows<V, 2>(row, K, x, sums);
       case 3: return dot_rows<V, 3>(row, K, x, sums);
       case 4: return dot_rows<V, 4>(row, K, x, sums);
