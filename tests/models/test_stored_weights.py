@@ -66,7 +66,9 @@ def test_f16_hf_dir_keeps_float16(arch, tmp_path):
     path = tmp_path / f"{arch}.gguf"
     make_model(arch, "tiny", "f16", path, seed=5)
     src = LLM(path, max_len=128, weight_dtype=torch.float32, kv_dtype=torch.float32)
-    write_hf_dir(tmp_path / "hf", src.model.config, src.model.state_dict(), src.tokenizer, dtype=torch.float16)
+    g = torch.Generator().manual_seed(0)  # the preset's values fit bfloat16: moved off it, as trained weights are
+    params = {n: p + 1e-3 * torch.randn(p.shape, generator=g) for n, p in src.model.state_dict().items()}
+    write_hf_dir(tmp_path / "hf", src.model.config, params, src.tokenizer, dtype=torch.float16)
     kept = LLM(tmp_path / "hf", max_len=128, kv_dtype=torch.float32)
     f32 = LLM(tmp_path / "hf", max_len=128, weight_dtype=torch.float32, kv_dtype=torch.float32)
     linears = [m.weight for m in kept.model.modules() if isinstance(m, Linear)]
