@@ -40,6 +40,18 @@ def rel_diff(mine, theirs):
     return np.abs(mine - theirs).max() / theirs.std()
 
 
+def assert_greedy_agrees(ours, ref, ids, n: int, margin: float = 5e-2):
+    """Our n greedy tokens are llama.cpp's, unless they part where llama.cpp's top two logits lie within `margin`
+    (of its logits' std) of each other: a tie that the engines' roundings may break either way."""
+    mine = ours.generate(ids, max_tokens=n, temperature=0, ignore_eos=True).token_ids
+    expected = llama_greedy(ref, ids, n)
+    if mine != expected:
+        at = next(i for i, (a, b) in enumerate(zip(mine, expected)) if a != b)
+        logits = llama_last_logits(ref, ids + expected[:at])
+        top2 = np.sort(logits)[-2:]
+        assert (top2[1] - top2[0]) / logits.std() < margin, f"greedy text parts at token {at} with a clear margin"
+
+
 @pytest.fixture(scope="module", params=["qwen35", "qwen35moe", "qwen3next"])
 def pair(request, tmp_path_factory):
     """The same random weights (drawn in bf16, so exact in f16 too) as an f16 and an f32 file."""
