@@ -5,17 +5,19 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 import uvicorn
 
 from deltaserve.callforms import CallForm
 from deltaserve.engine.engine import Engine
-from deltaserve.engine.llm import load
+from deltaserve.engine.llm import LLM, load
 from deltaserve.server.app import create_app
 
 from tests.processes import free_port, wait_healthy
 
 API_KEY = "test-key"
+PROMPT = "To be, or not to be, that is the question"
 
 
 class LiveServer:
@@ -152,3 +154,15 @@ def spawn(tiny_gguf):
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The real openai client on the module's server (structured decoding may take minutes on a loaded machine)."""
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_gguf):
+    """The same model run alone through LLM: what every server answer must equal (greedy)."""
+    return LLM(tiny_gguf, max_len=512)

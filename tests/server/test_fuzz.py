@@ -18,7 +18,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from deltaserve.engine.llm import LLM
 

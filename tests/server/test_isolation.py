@@ -13,9 +13,7 @@ from deltaserve.engine.engine import Engine
 from deltaserve.engine.llm import LLM, load
 from deltaserve.server.app import create_app
 
-from .conftest import API_KEY, LiveServer, assert_error, settled
-
-PROMPT = "To be, or not to be, that is the question"
+from .conftest import API_KEY, PROMPT, LiveServer, assert_error, settled
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,8 @@ from deltaserve.engine.llm import load
 from deltaserve.server.app import create_app
 from deltaserve.server.schemas import MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_STRINGS
 
-from .conftest import LiveServer, assert_error, settled
+from .conftest import PROMPT, LiveServer, assert_error, settled
 
-PROMPT = "To be, or not to be, that is the question"
 # seconds /health may take: the stalls were 12-19 s; a machine shared with other jobs adds some
 HEALTHY = 2.0
 

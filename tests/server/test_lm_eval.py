@@ -10,14 +10,8 @@ import pytest
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed")
 
-from deltaserve.engine.llm import LLM  # noqa: E402
 
 TASKS = Path(__file__).with_name("lm_eval_tasks")
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_gguf):
-    return LLM(tiny_gguf, max_len=512)
 
 
 @pytest.fixture(scope="module")

@@ -8,22 +8,7 @@ import httpx
 import openai
 import pytest
 
-from deltaserve.engine.llm import LLM
-
-from .conftest import API_KEY
-
-PROMPT = "To be, or not to be, that is the question"
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_gguf):
-    """The same model run alone through LLM: what every server answer must equal (greedy)."""
-    return LLM(tiny_gguf, max_len=512)
+from .conftest import API_KEY, PROMPT
 
 
 def test_models_and_health(client, server):

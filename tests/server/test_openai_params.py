@@ -53,11 +53,6 @@ COMPLETION_REFUSED = {"suffix": "the end"}
 COMPLETION_REFUSED_VALUES = [("best_of", 3)]
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
 def sdk_parameters(method) -> set[str]:
     return set(inspect.signature(method).parameters) - TRANSPORT
 

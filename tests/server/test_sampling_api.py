@@ -6,19 +6,7 @@ import openai
 import pytest
 import torch
 
-from deltaserve.engine.llm import LLM
-
-PROMPT = "To be, or not to be, that is the question"
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_gguf):
-    return LLM(tiny_gguf, max_len=512)
+from .conftest import PROMPT
 
 
 def raw_logprobs(reference, ids):

@@ -14,7 +14,6 @@ from typing import Literal
 import httpx
 import jsonschema
 import pytest
-from openai import OpenAI
 from pydantic import BaseModel, Field
 
 from deltaserve.engine.engine import Engine
@@ -50,11 +49,6 @@ def server(tiny_gguf):
     yield live
     live.stop()
     engine.close()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
 
 
 def test_openai_sdk_parses_a_pydantic_model(client):
