@@ -26,9 +26,8 @@ import time
 from pathlib import Path
 
 import torch
-from llguidance.torch import fill_next_token_bitmask
 
-from deltaserve.engine.constrain import Constraint, apply_masks, grammar_tokenizer
+from deltaserve.engine.constrain import Constraint, apply_masks, fill_mask, grammar_tokenizer
 from deltaserve.engine.grammar import json_grammar
 from deltaserve.engine.llm import LLM
 from deltaserve.tokenizer import Tokenizer
@@ -73,7 +72,7 @@ def mask_cost(tokenizer: Tokenizer, n_vocab: int) -> dict:
     compute, apply = [], []
     for token in tokenizer.encode(ANSWER):
         t0 = time.perf_counter()
-        fill_next_token_bitmask(c.matcher, words, 0)
+        fill_mask(c.matcher, words, 0)
         t1 = time.perf_counter()
         apply_masks(logits, words)
         t2 = time.perf_counter()

@@ -28,7 +28,6 @@ import llguidance
 import numpy as np
 import torch
 from gguf import TokenType
-from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from deltaserve.errors import DeltaserveError
 from deltaserve.tokenizer import Tokenizer
@@ -143,17 +142,33 @@ class Constraint:
         """Mask logits [>= len(draft) + 1, V] row by row as the matcher follows `draft`; the drafted tokens the
         grammar allows (a prefix of `draft`). The matcher ends where it began."""
         words = torch.empty(len(draft) + 1, _words(self.n_vocab), dtype=torch.int32)
-        fill_next_token_bitmask(self.matcher, words, 0)
+        fill_mask(self.matcher, words, 0)
         n = 0
         for d in draft:
             if not (int(words[n, d // 32]) >> (d % 32)) & 1 or not self.matcher.consume_token(d):
                 break
             n += 1
-            fill_next_token_bitmask(self.matcher, words, n)
+            fill_mask(self.matcher, words, n)
         self.matcher.rollback(n)
         with torch.inference_mode():  # the model's logits are inference tensors
             apply_masks(logits[:n + 1], words[:n + 1])
         return draft[:n]
+
+
+def fill_mask(matcher: llguidance.LLMatcher, words: torch.Tensor, row: int) -> None:
+    """words[row] (int32 [.., ceil(V / 32)], contiguous) = the bitmask of the tokens `matcher` allows next, written
+    by llguidance in place. (llguidance.torch's wrappers do the same, but importing that module compiles a
+    torch.compile kernel's machinery: ~120 MB of every process and a second at start.)"""
+    if words.dtype != torch.int32 or not words.is_contiguous() or not 0 <= row < words.shape[0]:
+        raise ValueError("token masks are contiguous int32 rows")
+    matcher.unsafe_compute_mask_ptr(words[row].data_ptr(), words.shape[1] * 4)
+
+
+def fill_masks(matchers: list[tuple[llguidance.LLMatcher, int]], words: torch.Tensor) -> None:
+    """fill_mask for several (matcher, row) at once, on llguidance's thread pool."""
+    if words.dtype != torch.int32 or not words.is_contiguous() or any(not 0 <= r < words.shape[0] for _, r in matchers):
+        raise ValueError("token masks are contiguous int32 rows")
+    _pool().unsafe_compute_mask_ptr(matchers, words.data_ptr(), words.shape[1] * 4, words.shape[0])
 
 
 class Constraints:
@@ -178,9 +193,9 @@ class Constraints:
             return
         words = torch.empty(len(rows), _words(self.n_vocab), dtype=torch.int32)
         if len(rows) == 1:
-            fill_next_token_bitmask(rows[0][1].matcher, words, 0)
+            fill_mask(rows[0][1].matcher, words, 0)
         else:
-            fill_next_token_bitmask_par(_pool(), [(c.matcher, k) for k, (_, c) in enumerate(rows)], words)
+            fill_masks([(c.matcher, k) for k, (_, c) in enumerate(rows)], words)
         with torch.inference_mode():  # the model's logits are inference tensors
             for k, (i, _) in enumerate(rows):
                 apply_masks(logits[i:i + 1], words[k:k + 1])

@@ -17,8 +17,8 @@ from llguidance.torch import fill_next_token_bitmask
 
 from deltaserve.callforms import CallForm
 from deltaserve.convert.presets import TOKENIZER_TEXT, train_tokenizer
-from deltaserve.engine.constrain import (Constraint, apply_masks, grammar_error, grammar_tokenizer,
-                                         grammar_tokenizer_ready)
+from deltaserve.engine.constrain import (Constraint, apply_masks, fill_mask, fill_masks, grammar_error,
+                                         grammar_tokenizer, grammar_tokenizer_ready)
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.grammar import Tool, closed, json_grammar, tool_call_grammar
 from deltaserve.engine.llm import LLM, load
@@ -127,6 +127,30 @@ def test_call_markers_stay_one_token_where_the_vocabulary_makes_them_control_tok
     assert (int(words[0, call[0] // 32]) >> (call[0] % 32)) & 1
     end = tok.encode("<|im_end|>")[0]  # a control token that is no marker: never text
     assert not (int(words[0, end // 32]) >> (end % 32)) & 1
+
+
+def test_our_mask_fill_is_llguidances(tmp_path):
+    """fill_mask / fill_masks (llguidance's pointer API, without importing llguidance.torch) write the bitmask
+    llguidance's own torch wrapper writes, row by row and in a batch; a wrongly laid buffer is refused."""
+    tok = train_tokenizer(arch="qwen35")
+    words_of = lambda n: torch.zeros(n, (tok.vocab_size + 31) // 32, dtype=torch.int32)  # noqa: E731
+    a = Constraint(json_grammar(PERSON), tok, tok.vocab_size)
+    b = Constraint(json_grammar(PERSON), tok, tok.vocab_size)
+    for t in tok.encode('{"name": "A'):
+        b.take(t)
+    want = words_of(2)
+    fill_next_token_bitmask(a.matcher, want, 0)
+    fill_next_token_bitmask(b.matcher, want, 1)
+    assert not torch.equal(want[0], want[1])  # two different states of the grammar
+    one, both = words_of(2), words_of(2)
+    fill_mask(a.matcher, one, 0)
+    fill_mask(b.matcher, one, 1)
+    fill_masks([(b.matcher, 1), (a.matcher, 0)], both)
+    assert torch.equal(one, want) and torch.equal(both, want)
+    with pytest.raises(ValueError, match="contiguous int32"):
+        fill_mask(a.matcher, words_of(2).t().contiguous().t(), 0)
+    with pytest.raises(ValueError, match="contiguous int32"):
+        fill_masks([(a.matcher, 2)], words_of(2))
 
 
 def test_mask_matches_a_bit_by_bit_reference():
