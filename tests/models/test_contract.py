@@ -91,9 +91,13 @@ def test_hf_round_trip(arch, made, tmp_path):
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_batched_equals_alone(arch, made):
+    """Rows of uneven lengths in slots 2 and 0 of three (the batch in reversed slot order), a chunk then six greedy
+    decode steps together: each row what it computes alone; the bystander in slot 1 untouched."""
     model = load(made(arch).gguf_path)
     first, more = ids_for(model, 2, 9, seed=2), ids_for(model, 2, 5, seed=3)
     state = model.new_state(3, 32)
+    model(ids_for(model, 1, 6, seed=4), state, [1])
+    untouched = [t[1].clone() for t in state.tensors()]
     model(first[:1, :4], state, [2])  # the rows start from different lengths: 4 and 9 tokens
     model(first[1:], state, [0])
     batched = model(more, state, [2, 0], logits="all")
@@ -101,6 +105,16 @@ def test_batched_equals_alone(arch, made):
              run(model, torch.cat([first[1:], more[1:]], 1))[0, -5:]]
     for row in range(2):
         torch.testing.assert_close(batched[row], alone[row], rtol=1e-5, atol=1e-5)
+    seqs = [torch.cat([first[:1, :4], more[:1]], 1), torch.cat([first[1:], more[1:]], 1)]
+    last = batched[:, -1]
+    for _ in range(6):
+        nxt = last.argmax(-1, keepdim=True)  # [2, 1]
+        last = model(nxt, state, [2, 0])  # [2, V]: the last token's logits
+        seqs = [torch.cat([s, t[None]], 1) for s, t in zip(seqs, nxt)]
+        for row in range(2):
+            torch.testing.assert_close(last[row], run(model, seqs[row])[0, -1], rtol=1e-5, atol=1e-5)
+    assert state.lengths.tolist() == [9 + 5 + 6, 6, 4 + 5 + 6]
+    assert all(torch.equal(t[1], before) for t, before in zip(state.tensors(), untouched))
 
 
 @pytest.mark.parametrize("arch", ARCHES)

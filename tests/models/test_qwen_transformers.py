@@ -63,32 +63,6 @@ def test_greedy_after_chunked_prefill_matches_transformers(tiny, ours):
     assert int(state.lengths[0]) == 17 + n_new
 
 
-def test_batched_decode_of_uneven_sequences_equals_each_alone(ours):
-    gen = torch.Generator().manual_seed(3)
-    vocab = ours.config.vocab_size
-    prompts = {2: torch.randint(0, vocab, (1, 9), generator=gen), 0: torch.randint(0, vocab, (1, 14), generator=gen)}
-
-    batch = ours.new_state(3, 40)
-    bystander = torch.randint(0, vocab, (1, 6), generator=gen)
-    ours(bystander, batch, [1])  # slot 1 holds another sequence that must stay untouched
-    untouched = [t[1].clone() for t in batch.tensors()]
-    alone = {slot: ours.new_state(1, 40) for slot in prompts}
-    last = {}
-    for slot, prompt in prompts.items():
-        ours(prompt, batch, [slot])
-        last[slot] = ours(prompt, alone[slot], [0])
-
-    for _ in range(6):
-        nxt = {slot: last[slot].argmax(-1, keepdim=True) for slot in prompts}
-        together = ours(torch.cat([nxt[2], nxt[0]]), batch, [2, 0])  # reversed slot order on purpose
-        for row, slot in enumerate((2, 0)):
-            last[slot] = ours(nxt[slot], alone[slot], [0])
-            assert rel_err(together[row:row + 1], last[slot]) < 1e-5
-
-    assert batch.lengths.tolist() == [14 + 6, 6, 9 + 6]
-    assert all(torch.equal(t[1], before) for t, before in zip(batch.tensors(), untouched))
-
-
 def test_forward_rejects_bad_input(ours):
     state = ours.new_state(2, 8)
     ids = torch.zeros(2, 3, dtype=torch.long)
