@@ -16,6 +16,8 @@
 #include <cmath>
 #include <vector>
 
+#include "attn_tiles.h"
+
 namespace deltaserve {
 namespace attn {
 
@@ -213,10 +215,18 @@ void run_item(const Args<C>& a, Scratch& w, int64_t n, int64_t j, int64_t t0, in
     if (few)
       scores_few(w.q.data(), w.k.data(), w.s.data(), rows, real, dk, cnt);
     else
+#if defined(__AVX512F__)
+      zmm::scores(w.qt.data(), w.k.data(), w.s.data(), rows, dk, cnt);
+#else
       scores_wide(w.qt.data(), w.k.data(), w.s.data(), rows, dk);
+#endif
     softmax_tile(w, rows, real, dv, key, cnt, key + cnt - 1 > first_pos);  // masks only where a key is unseen
     for (int64_t c = 0; c < cnt; ++c) to_f32(vb + (key + c) * a.vs1, w.v.data() + c * dv, dv);
+#if defined(__AVX512F__)
+    zmm::values(w.s.data(), w.v.data(), w.acc.data(), rows, real, cnt, dv);
+#else
     accumulate(w.s.data(), w.v.data(), w.acc.data(), rows, real, cnt, dv);
+#endif
   }
 }
 
