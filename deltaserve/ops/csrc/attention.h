@@ -22,7 +22,7 @@ namespace deltaserve {
 namespace attn {
 
 constexpr int64_t kKeys = 64;      // keys per tile
-constexpr int64_t kTileRows = 64;  // query rows (tokens x heads of one kv head) per tile, about
+constexpr int64_t kTileRows = 128;  // query rows (tokens x heads of one kv head) per tile, about
 constexpr int64_t kVec = 16;       // rows are padded to a multiple of this (one AVX-512 register of floats)
 constexpr int64_t kKeyBlock = 4;   // keys per register block of the score kernel
 constexpr int64_t kRowBlock = 4;   // rows per register block of the output kernel
