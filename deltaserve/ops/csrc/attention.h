@@ -22,12 +22,9 @@ namespace deltaserve {
 namespace attn {
 
 constexpr int64_t kKeys = 64;      // keys per tile
-// Query rows (tokens x heads of one kv head) per tile, about: each key / value tile widened from the cache
-// serves this many rows (64 -> 128 -> 256 at the 0.8B shapes: 84 -> 91 -> 98 GFLOP/s on a Zen 4 core), as
-// many as keep a tile's queries and outputs within kTileBytes of L2 (256 rows at heads of 256; fewer for
-// Kimi's 576 / 512-wide latent rows), and never fewer than 64.
-constexpr int64_t kTileRows = 256;
-constexpr int64_t kTileBytes = 512 * 1024;
+constexpr int64_t kTileRows = 256;  // query rows (tokens x heads of one kv head) per tile, about: each key /
+// value tile widened from the cache serves this many rows (64 -> 128 -> 256: 84 -> 91 -> 98 GFLOP/s at 0.8B
+// shapes on a Zen 4 core); a tile's queries and outputs, 256 KB each, still sit in L2
 constexpr int64_t kVec = 16;       // rows are padded to a multiple of this (one AVX-512 register of floats)
 constexpr int64_t kKeyBlock = 4;   // keys per register block of the score kernel
 constexpr int64_t kRowBlock = 4;   // rows per register block of the output kernel
@@ -262,8 +259,7 @@ void attend_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
             q.size(1), q.size(2), k_cache.size(2), q.size(2) / k_cache.size(2), q.size(3), v_cache.size(3), 1,
             static_cast<float>(scale)};
   const int64_t N = q.size(0), threads = at::get_num_threads();
-  const int64_t tile_rows = std::clamp<int64_t>(kTileBytes / (4 * (a.dk + a.dv)), 64, kTileRows);
-  a.tile_tokens = std::max<int64_t>(1, tile_rows / a.group);
+  a.tile_tokens = std::max<int64_t>(1, kTileRows / a.group);
   const int64_t qtiles = (a.T + a.tile_tokens - 1) / a.tile_tokens, base = N * a.nkv * qtiles;
   int64_t longest = 0;
   for (int64_t n = 0; n < N; ++n) longest = std::max(longest, a.start[n] + a.T);
