@@ -266,7 +266,8 @@ void attend_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
   // Split the keys only when the queries alone leave threads idle, and never below 4 tiles a split.
   const int64_t splits = base >= threads ? 1 : std::clamp<int64_t>((2 * threads + base - 1) / base, 1,
                                                                    std::max<int64_t>(1, longest / (4 * kKeys)));
-  const int64_t rows_max = (a.tile_tokens * a.group + kVec - 1) / kVec * kVec;
+  // (a decode step's buffers sized for its one token: they are zeroed per call)
+  const int64_t rows_max = (std::min(a.tile_tokens, a.T) * a.group + kVec - 1) / kVec * kVec;
   // split partials: [base, splits] x (rows_max x dv outputs, rows_max maxima, rows_max sums)
   std::vector<float> part(splits > 1 ? base * splits * rows_max * (a.dv + 2) : 0);
   const int64_t part_stride = rows_max * (a.dv + 2);
@@ -275,7 +276,8 @@ void attend_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
     Scratch w(rows_max, a.dk, a.dv);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < base * splits; ++item) {
-      const int64_t b = item / splits, sp = item % splits, tile = b % qtiles, j = (b / qtiles) % a.nkv;
+      // the last query tiles first: they see the most keys, and handed out last they left threads idle
+      const int64_t b = item / splits, sp = item % splits, tile = qtiles - 1 - b % qtiles, j = (b / qtiles) % a.nkv;
       const int64_t n = b / (qtiles * a.nkv), t0 = tile * a.tile_tokens, t1 = std::min(a.T, t0 + a.tile_tokens);
       const int64_t visible = a.start[n] + t1;  // keys past the tile's last query are never read
       const int64_t per = (visible + splits * kKeys - 1) / (splits * kKeys) * kKeys;
@@ -299,7 +301,7 @@ void attend_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
     if (splits > 1) {  // merge the splits of each row by their log-sum-exp weights
 #pragma omp for schedule(static)
       for (int64_t b = 0; b < base; ++b) {
-        const int64_t tile = b % qtiles, j = (b / qtiles) % a.nkv, n = b / (qtiles * a.nkv);
+        const int64_t tile = qtiles - 1 - b % qtiles, j = (b / qtiles) % a.nkv, n = b / (qtiles * a.nkv);
         const int64_t t0 = tile * a.tile_tokens, real = (std::min(a.T, t0 + a.tile_tokens) - t0) * a.group;
         for (int64_t r = 0; r < real; ++r) {
           float mx = kNoMax, sum = 0.f;
