@@ -159,7 +159,11 @@ inline void accumulate(const float* p, const float* v, float* acc, int64_t rows,
 // (causal; padding rows sit at position -1 and see none). The scores become probabilities relative to the
 // new running max (0 where not visible), and each row's sum and output are rescaled to that max.
 inline void softmax_tile(Scratch& w, int64_t rows, int64_t real, int64_t dv, int64_t key, int64_t n, bool masked) {
-  float *s = w.s.data(), *mx = w.mx.data(), *sum = w.sum.data(), *pos = w.pos.data();
+  float *s = w.s.data(), *pos = w.pos.data(), *corr = w.corr.data();
+#if defined(__AVX512F__)
+  zmm::softmax(s, rows, n, key, masked, pos, w.m.data(), w.l.data(), corr);
+#else
+  float *mx = w.mx.data(), *sum = w.sum.data();
   std::copy_n(w.m.data(), rows, mx);
   std::fill_n(sum, rows, 0.f);
   for (int64_t c = 0; c < n; ++c) {
@@ -178,15 +182,17 @@ inline void softmax_tile(Scratch& w, int64_t rows, int64_t real, int64_t dv, int
       sum[r] += e;
     }
   }
-  for (int64_t r = 0; r < real; ++r) {
-    const float corr = std::exp(w.m[r] - mx[r]);
-    w.l[r] = w.l[r] * corr + sum[r];
+  for (int64_t r = 0; r < rows; ++r) {
+    corr[r] = std::exp(w.m[r] - mx[r]);
+    w.l[r] = w.l[r] * corr[r] + sum[r];
     w.m[r] = mx[r];
-    if (corr != 1.f) {
-      float* a = w.acc.data() + r * dv;
+  }
+#endif
+  for (int64_t r = 0; r < real; ++r) {
+    if (corr[r] == 1.f) continue;  // the running max did not move: nothing to rescale
+    float* a = w.acc.data() + r * dv;
 #pragma omp simd
-      for (int64_t d = 0; d < dv; ++d) a[d] *= corr;
-    }
+    for (int64_t d = 0; d < dv; ++d) a[d] *= corr[r];
   }
 }
 

@@ -68,6 +68,53 @@ inline void scores(const float* qt, const float* k, float* s, int64_t rows, int6
   }
 }
 
+// exp(x) for x <= 0 to about 1 ulp (Cephes' reduction to [-ln2/2, ln2/2] and its polynomial), 0 far below.
+inline __m512 exp_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));  // scalef of the result flushes to 0 from about -88 down
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The online softmax of one tile's scores s[c, r] (c < n keys from position `key`, rows a multiple of 16),
+// sixteen rows a register, their running max and sum held in registers across the keys: row r sees the keys
+// at or before pos[r] when `masked`. The scores become probabilities relative to the new running max m (0
+// where not visible), l takes the tile's sums, and corr the factor that rescales each row's earlier output.
+inline void softmax(float* s, int64_t rows, int64_t n, int64_t key, bool masked, const float* pos, float* m,
+                    float* l, float* corr) {
+  const __m512 none = _mm512_set1_ps(-1e30f);
+  for (int64_t r = 0; r < rows; r += 16) {
+    const __m512 old = _mm512_loadu_ps(m + r), at = _mm512_loadu_ps(pos + r);
+    __m512 mx = old;
+    for (int64_t c = 0; c < n; ++c) {
+      const __mmask16 seen = masked ? _mm512_cmp_ps_mask(_mm512_set1_ps(float(key + c)), at, _CMP_LE_OQ)
+                                    : __mmask16(0xFFFF);
+      mx = _mm512_max_ps(mx, _mm512_mask_blend_ps(seen, none, _mm512_loadu_ps(s + c * rows + r)));
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t c = 0; c < n; ++c) {
+      const __mmask16 seen = masked ? _mm512_cmp_ps_mask(_mm512_set1_ps(float(key + c)), at, _CMP_LE_OQ)
+                                    : __mmask16(0xFFFF);
+      const __m512 e = _mm512_maskz_mov_ps(seen, exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + c * rows + r), mx)));
+      _mm512_storeu_ps(s + c * rows + r, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 f = exp_neg(_mm512_sub_ps(old, mx));
+    _mm512_storeu_ps(corr + r, f);
+    _mm512_storeu_ps(l + r, _mm512_fmadd_ps(_mm512_loadu_ps(l + r), f, sum));
+    _mm512_storeu_ps(m + r, mx);
+  }
+}
+
 // acc[rr, :16 NV] += sum over c < n of p[c * rows + rr] v[c, :16 NV] for rr < 4 (acc rows dv apart, v rows dv
 // apart, p, acc and v offset to the block); the last register of columns takes only the lanes in `tail`.
 template <int NV>
