@@ -1,7 +1,14 @@
 """The tiled attention kernel (ops/csrc/attention.h) against the float64 specification on odd shapes:
 spans that are no multiple of the 64-key tile, GQA groups 1, 2 and 4, head sizes 64 / 128 / 256 and K != V,
 with and without a cached prefix, float16 and float32 caches, decode steps (where the keys are split
-across threads) and a value cache that is a slice of the key rows (Kimi's latent cache)."""
+across threads), a value cache that is a slice of the key rows (Kimi's latent cache), the 0.8B model's shapes
+over a long span, and the AVX2 / portable builds."""
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,3 +110,31 @@ def test_a_few_tokens_over_a_long_cache_split_across_the_context(T):
     tokens see none of the keys past them in the last split."""
     q, kc, vc, slots, start = _case(1, T, 4, 1, 64, 48, [900], torch.float16)
     _check(q, kc, vc, slots, start, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_long_span_at_the_model_shapes(dtype):
+    """Qwen3.5 0.8B's attention (8 query heads on 2 kv heads, head 256): 33 new tokens after 3,000 cached, 3,033
+    keys (no multiple of the 64-key tile); 132 query rows a kv head, so the score kernel takes 64 + 64 + 16
+    rows."""
+    q, kc, vc, slots, start = _case(1, 33, 8, 2, 256, 256, [3000], dtype, seed=3)
+    _check(q, kc, vc, slots, start, 256 ** -0.5)
+
+
+@pytest.mark.parametrize("T", [10, 37])  # 40 / 148 query rows: 48 (three registers), or 128 + 32 in two tiles
+def test_head_sizes_off_the_register_width(T):
+    """K = 72 and V = 40 (the value kernel's last register of columns half full), group 4, float16 cache."""
+    q, kc, vc, slots, start = _case(2, T, 8, 2, 72, 40, [517, 64], torch.float16, slots=[1, 0], seed=T)
+    _check(q, kc, vc, slots, start, 72 ** -0.5)
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"], ids=["avx2", "portable"])
+def test_other_builds_of_the_kernel(march):
+    """On an AVX-512 machine the plain loops (no AVX-512 register kernels) are built for x86-64-v3 and -v2
+    (DELTASERVE_MARCH) and run the tests above."""
+    if platform.machine() != "x86_64" or "avx512f" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("the native build is already a fallback here")
+    env = dict(os.environ, DELTASERVE_MARCH=march)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+                           "-k", "not other_builds"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
