@@ -3,12 +3,6 @@ Q8_K), products summed in integers. Checked against float64 products of gguf-py'
 activations rounded to Q8_K here in numpy (the spec: d = max|x| / 127, q = nearest(x * 127 / max|x|)), and
 against the exact float64 product within the bound that rounding allows."""
 
-import os
-import platform
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -18,6 +12,7 @@ from deltaserve.models import packed
 from deltaserve.models.layers import linear
 from deltaserve.ops import fused
 from tests.models.test_packed_weights import assert_matmul, packed_matrix
+from tests.builds import run_in_build
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="the C++ kernels did not build here")
 
@@ -120,12 +115,7 @@ def test_avx2_build_of_the_kernels():
     above. (Not the whole models against llama.cpp: these tiny random models amplify summation order, and the
     AVX2 build's qwen35 run parts from llama.cpp's greedy text at token 16 with a top-2 margin of 6.6e-2 std,
     past the bound that the AVX-512 build, llama.cpp's own arithmetic here, meets.)"""
-    if platform.machine() != "x86_64" or "avx512f" not in Path("/proc/cpuinfo").read_text():
-        pytest.skip("the native build is already the fallback here")
-    env = dict(os.environ, DELTASERVE_MARCH="x86-64-v3")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-                           "-k", "not avx2 and not llama_cpp"], env=env, capture_output=True, text=True)
-    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
+    run_in_build(__file__, "x86-64-v3", "not avx2 and not llama_cpp")
 
 
 # -- whole models against llama.cpp, which runs the same arithmetic on the same files ---------------------

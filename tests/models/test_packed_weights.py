@@ -12,6 +12,7 @@ from deltaserve.models import layers, packed
 from deltaserve.models.layers import dequantize, embed_tokens, linear, part
 from deltaserve.ops import fused
 from tests.loader.test_quants import random_blocks
+from tests.builds import run_in_build
 
 TYPES = sorted(packed.TYPES)
 
@@ -169,22 +170,8 @@ def test_bfloat16_activations_read_packed_weights():
 
 def test_avx2_build_of_the_kernels():
     """On an AVX-512 machine the AVX2 paths are built for x86-64-v3 (DELTASERVE_MARCH) and run the tests above."""
-    import os
-    import platform
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    if platform.machine() != "x86_64" or "avx512f" not in Path("/proc/cpuinfo").read_text():
-        pytest.skip("the native build is already the fallback here")
-    env = dict(os.environ, DELTASERVE_MARCH="x86-64-v3")
-    check = "from deltaserve.ops import fused; assert fused.available(), 'the AVX2 build failed'"
-    done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "rows_are or mixed or experts or every_exponent or (linear_matches and out37)"],
-                          env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout[-3000:]
+    run_in_build(__file__, "x86-64-v3", "rows_are or mixed or experts or every_exponent or (linear_matches and out37)",
+                 check="from deltaserve.ops import fused; assert fused.available(), 'the AVX2 build failed'")
 
 
 # -- whole models, quantised by llama.cpp ---------------------------------------------------------------

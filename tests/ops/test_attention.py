@@ -4,17 +4,12 @@ with and without a cached prefix, float16 and float32 caches, decode steps (wher
 across threads), a value cache that is a slice of the key rows (Kimi's latent cache), the 0.8B model's shapes
 over a long span, and the AVX2 / portable builds."""
 
-import os
-import platform
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from deltaserve.ops import fused
 from deltaserve.ops.attention import attention_cached, attention_reference, kernel_applies
+from tests.builds import run_in_build
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="the C++ kernels did not compile here")
 
@@ -132,9 +127,4 @@ def test_head_sizes_off_the_register_width(T):
 def test_other_builds_of_the_kernel(march):
     """On an AVX-512 machine the plain loops (no AVX-512 register kernels) are built for x86-64-v3 and -v2
     (DELTASERVE_MARCH) and run the tests above."""
-    if platform.machine() != "x86_64" or "avx512f" not in Path("/proc/cpuinfo").read_text():
-        pytest.skip("the native build is already a fallback here")
-    env = dict(os.environ, DELTASERVE_MARCH=march)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-                           "-k", "not other_builds"], env=env, capture_output=True, text=True)
-    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
+    run_in_build(__file__, march, "not other_builds")

@@ -5,17 +5,12 @@ activations rounded to bfloat16 (to nearest, ties to even, from their bits) wher
 a product, so each path is told apart from the other. The other ISAs' paths are built for older targets
 (DELTASERVE_MARCH) and run these tests in a subprocess."""
 
-import os
-import platform
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 from deltaserve.ops import fused
+from tests.builds import run_in_build
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="the C++ kernels did not build here")
 
@@ -99,12 +94,5 @@ def test_bad_arguments_are_named():
 def test_other_isa_builds(march, path):
     """The widening paths of older targets (AVX2, portable C++; AVX-512's runs above, for float32 activations), built
     for them and run through the tests above (where rounding is asked for, they keep float32 activations)."""
-    if platform.machine() != "x86_64" or "avx512_bf16" not in Path("/proc/cpuinfo").read_text():
-        pytest.skip("this machine's own build already runs a fallback path")
-    env = dict(os.environ, DELTASERVE_MARCH=march)
-    check = f"from deltaserve.ops import fused; assert fused.extension().bf16_isa().startswith({path!r})"
-    done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "not other_isa"], env=env, capture_output=True, text=True)
-    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
+    run_in_build(__file__, march, "not other_isa", needs="avx512_bf16",
+                 check=f"from deltaserve.ops import fused; assert fused.extension().bf16_isa().startswith({path!r})")

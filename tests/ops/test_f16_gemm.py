@@ -3,16 +3,11 @@ summed in float32. Checked against float64 products of the same values: exactly 
 float32, else within the bound of float32 summation; odd shapes cut every tile (rows of 6, columns of 64 and 256,
 k of 16 and 256) short."""
 
-import os
-import platform
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from deltaserve.ops import fused
+from tests.builds import run_in_build
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="the C++ kernels did not build here")
 
@@ -89,9 +84,4 @@ def test_bad_arguments_are_named():
 def test_other_builds_of_the_gemm(march):
     """On an AVX-512 machine the AVX2 path (ymm tiles of 6 x 16) and the portable C++ one (no AVX) are built for
     x86-64-v3 and -v2 (DELTASERVE_MARCH) and run the tests above."""
-    if platform.machine() != "x86_64" or "avx512f" not in Path("/proc/cpuinfo").read_text():
-        pytest.skip("the native build is already a fallback here")
-    env = dict(os.environ, DELTASERVE_MARCH=march)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-                           "-k", "not other_builds"], env=env, capture_output=True, text=True)
-    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
+    run_in_build(__file__, march, "not other_builds")
