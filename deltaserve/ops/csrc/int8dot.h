@@ -46,6 +46,20 @@ struct alignas(64) XBlock {
 };
 
 #if defined(__AVX512BW__)
+// acc += codes (u8, 16 rows x 4) . the 4 int8 at p, broadcast by vpdpbusd's memory operand (a separate broadcast
+// would take a shuffle slot per instruction)
+inline __m512i dot4(__m512i acc, __m512i codes, const int8_t* p) {
+#if defined(__AVX512VNNI__)
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+#else
+  int32_t four;
+  std::memcpy(&four, p, 4);
+  const __m512i pairs = _mm512_maddubs_epi16(codes, _mm512_set1_epi32(four));
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+#endif
+}
+
 constexpr int kRows = 8;  // activation rows per pass over a weight row: int32 + float accumulators in registers
 #else
 constexpr int kRows = 4;  // 16 ymm registers

@@ -205,20 +205,6 @@ inline RowKernel row_kernel(int64_t type, int64_t mb) {
 
 // -- row panels (panels.h): 16 rows a pass, one int32 lane per row --------------------------------------------
 
-// acc += codes (u8, 16 rows x 4) . the 4 int8 at p, broadcast by vpdpbusd's memory operand (a separate broadcast
-// would take a shuffle slot per instruction)
-inline __m512i dot4(__m512i acc, __m512i codes, const int8_t* p) {
-#if defined(__AVX512VNNI__)
-  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*reinterpret_cast<const int32_t*>(p)));
-  return acc;
-#else
-  int32_t four;
-  std::memcpy(&four, p, 4);
-  const __m512i pairs = _mm512_maddubs_epi16(codes, _mm512_set1_epi32(four));
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
-#endif
-}
-
 inline __m512i dot_pairs(__m512i acc, __m512i a, __m512i b) {
 #if defined(__AVX512VNNI__)
   return _mm512_dpwssd_epi32(acc, a, b);

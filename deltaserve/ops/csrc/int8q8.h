@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "gemv.h"
+#include "int8dot.h"
 #include "shares.h"
 
 namespace deltaserve {
@@ -169,11 +170,7 @@ inline void q8_tile(const Q8Tile& t, const Q8Acts& a, int64_t m0, float* y, int6
     for (int c = 0; c < 8; ++c) {
       const __m512i codes = _mm512_loadu_si512(t.q.data() + ((8 * k + c) * 16) * 4);
 #pragma GCC unroll 8
-      for (int m = 0; m < MB; ++m) {
-        int32_t four;
-        std::memcpy(&four, a.q.data() + (m0 + m) * K + 32 * k + 4 * c, 4);
-        sum[m] = _mm512_dpbusd_epi32(sum[m], codes, _mm512_set1_epi32(four));
-      }
+      for (int m = 0; m < MB; ++m) sum[m] = kq::dot4(sum[m], codes, a.q.data() + (m0 + m) * K + 32 * k + 4 * c);
     }
     const __m512 dw = _mm512_loadu_ps(t.dw.data() + 16 * k);
 #pragma GCC unroll 8
