@@ -1,5 +1,5 @@
 """Matmul weights kept in the GGML blocks a GGUF file stores them in (TYPES: the K-quants Q2_K .. Q6_K, IQ4_XS,
-Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4):
+Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, and Q8_0 rows beside them):
 never widened at load, read by C++ kernels that widen them in registers (decode) or a block of rows at a time
 (prefill, embedding lookups). A Q4_K_M file then takes its own size in memory, not twice it as float16.
 
@@ -24,8 +24,10 @@ from deltaserve.loader.memory import weight_empty
 from deltaserve.models.weights import IDENTITY, Cat, Leaf, Layout
 from deltaserve.ops import fused
 
-TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.MXFP4, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
-                   Q.IQ4_XS})  # those the float kernels read (kquants.h)
+TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.MXFP4, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
+                   Q.Q6_K, Q.IQ4_XS})  # those the float kernels read (kquants.h)
+# A matrix all of Q8_0 is held as int8 + scales instead (layers.quantize_q8), whose integer kernels beat these; Q8_0
+# rows are packed where a fused projection mixes them with other types (a MoE Q4_K_M file's attention inputs).
 INT8_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})  # with integer dot-product kernels in every build (int8dot.h)
 # Matrices all of int8_types() multiply activations rounded to int8 per 256 (llama.cpp's Q8_K), as llama.cpp does on
 # these files: its speed, and its rounding. False: float32 activations times the exact weights (slower).
@@ -284,8 +286,8 @@ def embed(w: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
 
 def read(layout: Layout, ckpt) -> nn.Parameter | None:
     """The parameter of `layout` (Either options already chosen) in packed form, its bytes copied straight from
-    the file: None unless every tensor it is made of is of a type in TYPES and reaches the parameter through
-    row reorders (or, for a single matrix, a column reorder) only."""
+    the file: None unless every tensor it is made of is of a type in TYPES (not all Q8_0) and reaches the
+    parameter through row reorders (or, for a single matrix, a column reorder) only."""
     if not hasattr(ckpt, "raw"):
         return None
     pieces = _pieces(layout, ckpt)
@@ -293,7 +295,7 @@ def read(layout: Layout, ckpt) -> nn.Parameter | None:
         return None
     matrices, x_index = pieces
     segments = _segments(matrices[0])
-    if any(_segments(m) != segments for m in matrices):
+    if any(_segments(m) != segments for m in matrices) or all(t == Q.Q8_0 for t, _ in segments):
         return None
     stack = (len(matrices),) if len(_first_leaf(layout).shape) == 3 else ()  # experts
     packing = Packing(segments, (*stack, sum(n for _, n in segments), _first_leaf(layout).shape[-1]), x_index)

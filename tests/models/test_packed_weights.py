@@ -2,6 +2,8 @@
 references: gguf-py's dequantisers for the values, float64 matmuls for the products, and whole models quantised
 by llama.cpp's own quantiser, run beside the same file loaded with float32 weights."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -126,7 +128,7 @@ def test_mixed_types_with_offsets_and_small_blocks(rows, panels):
     K = 768
     order = torch.randperm(K, generator=torch.Generator().manual_seed(4))
     w, ref = packed_matrix([(Q.Q2_K, 7), (Q.Q4_1, 5), (Q.Q3_K, 11), (Q.Q5_1, 9), (Q.MXFP4, 4), (Q.Q5_0, 3),
-                            (Q.Q4_K, 19), (Q.Q2_K, 2)], K, seed=6, x_index=order, panels=panels)
+                            (Q.Q4_K, 19), (Q.Q8_0, 6), (Q.Q2_K, 2)], K, seed=6, x_index=order, panels=panels)
     assert torch.equal(dequantize(w, torch.float32).double(), ref)
     x = torch.randn(rows, K)
     assert_matmul(linear(x, w), x, ref)
@@ -215,9 +217,14 @@ def test_quantised_model_keeps_the_files_blocks(arch, qtype, quantised):
     kept_packed = [w for w in not_float if packed.is_packed(w)]
     q8 = any(ckpt.qtype(n) == Q.Q8_0 for n in ckpt.names())
     assert kept_packed and (q8 or len(kept_packed) == len(not_float))
-    # every tensor of the file in a packed type, and no more, is held as its bytes
-    file_bytes = sum(ckpt.nbytes(n) for n in ckpt.names() if ckpt.qtype(n) in packed.TYPES)
-    assert sum(w.nbytes for w in kept_packed) == file_bytes
+    # every tensor of the file in a packed type, and no more, is held as its bytes; its Q8_0 tensors either as
+    # rows of a packed projection (beside other types) or as int8 + a float16 scale per 32: 34 bytes a block
+    packed_q8 = sum(math.prod(w.packing.shape[:-2]) * n * packed.row_bytes(t, w.packing.shape[-1])
+                    for w in kept_packed for t, n in w.packing.segments if t == Q.Q8_0)
+    int8_q8 = sum(w.nbytes + w.scale.nbytes for w in not_float if not packed.is_packed(w))
+    file_bytes = {t: sum(ckpt.nbytes(n) for n in ckpt.names() if ckpt.qtype(n) == t) for t in packed.TYPES}
+    assert sum(w.nbytes for w in kept_packed) == sum(file_bytes.values()) - file_bytes[Q.Q8_0] + packed_q8
+    assert packed_q8 + int8_q8 == file_bytes[Q.Q8_0]
     if packed.is_packed(model.embed.weight):
         assert torch.equal(dequantize(model.embed.weight, torch.float32), ckpt.load("token_embd.weight"))
 

@@ -1,4 +1,4 @@
-// Weights kept in their GGML blocks (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4: 32 weights a block; Q2_K, Q3_K,
+// Weights kept in their GGML blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4: 32 weights a block; Q2_K, Q3_K,
 // Q4_K, Q5_K, Q6_K, IQ4_XS: 256):
 // the block layouts, exact scalar decoders (the reference for kquants_avx512.h's, and the path of machines
 // without AVX-512) and the segment table of a packed matrix. The kernels reading them are in packed.h.
@@ -20,7 +20,7 @@ namespace kq {
 
 // GGML type ids (ggml.h's enum ggml_type)
 enum Type : int64_t {
-  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
   IQ4_XS = 23, MXFP4 = 39
 };
 
@@ -34,6 +34,7 @@ inline Layout layout(int64_t type) {
     case Q4_1: return {32, 20};
     case Q5_0: return {32, 22};
     case Q5_1: return {32, 24};
+    case Q8_0: return {32, 34};
     case IQ4_NL: return {32, 18};
     case MXFP4: return {32, 17};
     case Q2_K: return {256, 84};
@@ -101,6 +102,11 @@ inline void decode_q4_0(const uint8_t* b, float* y) {  // d f16 | qs[16]: y = (q
     y[j] = static_cast<float>((b[2 + j] & 0xF) - 8) * d;
     y[j + 16] = static_cast<float>((b[2 + j] >> 4) - 8) * d;
   }
+}
+
+inline void decode_q8_0(const uint8_t* b, float* y) {  // d f16 | qs int8[32]: y = q * d
+  const float d = f16(b);
+  for (int j = 0; j < 32; ++j) y[j] = static_cast<float>(static_cast<int8_t>(b[2 + j])) * d;
 }
 
 inline void decode_iq4_nl(const uint8_t* b, float* y) {  // d f16 | qs[16]: y = d * level(q)
@@ -237,6 +243,7 @@ inline void decode_block(int64_t type, const uint8_t* b, float* y) {
     case Q4_1: return decode_q4_1(b, y);
     case Q5_0: return decode_q5_0(b, y);
     case Q5_1: return decode_q5_1(b, y);
+    case Q8_0: return decode_q8_0(b, y);
     case IQ4_NL: return decode_iq4_nl(b, y);
     case MXFP4: return decode_mxfp4(b, y);
     case Q2_K: return decode_q2_k(b, y);

@@ -85,6 +85,14 @@ struct VQ4_0 : Blocks<32, 18, 1, false> {  // d * (q - 8)
   }
 };
 
+struct VQ8_0 : Blocks<32, 34, 1, false> {  // d * q
+  static inline __m512 steps(const uint8_t* b) { return _mm512_set1_ps(f16(b)); }
+  template <class F> static inline void codes(const uint8_t* b, F&& emit) {
+    emit(0, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)))), 0);
+    emit(16, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)))), 0);
+  }
+};
+
 struct VIQ4_NL : Blocks<32, 18, 1, false> {  // d * level(q)
   static inline __m512 steps(const uint8_t* b) { return _mm512_set1_ps(f16(b)); }
   template <class F> static inline void codes(const uint8_t* b, F&& emit) {

@@ -96,6 +96,7 @@ inline void with_visitor(int64_t type, F&& f) {
     case Q4_1: return f(VQ4_1{});
     case Q5_0: return f(VQ5_0{});
     case Q5_1: return f(VQ5_1{});
+    case Q8_0: return f(VQ8_0{});
     case IQ4_NL: return f(VIQ4_NL{});
     case MXFP4: return f(VMXFP4{});
     case Q2_K: return f(VQ2_K{});
