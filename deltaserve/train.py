@@ -64,7 +64,11 @@ DEFAULT_DATA_DIR = Path.home() / ".cache" / "deltaserve"
 class TrainConfig:
     """Model shape, data and optimisation. The defaults made the shipped model (see README)."""
 
-    # model: 8 layers = 6 Gated DeltaNet + 2 gated attention (every 4th)
+    # model: 8 layers = 6 Gated DeltaNet + 2 gated attention (every 4th); qwen35moe and qwen3next put
+    # `experts` routed SwiGLU experts (2 a token) of intermediate / 4 and a shared one of intermediate / 2 in
+    # place of each MLP, the MTP layer's included
+    arch: str = "qwen35"
+    experts: int = 8
     hidden: int = 256
     layers: int = 8
     heads: int = 4
@@ -96,27 +100,33 @@ class TrainConfig:
 
     def __post_init__(self):
         bad = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
-               if f.name not in ("seed", "threads", "min_lr_ratio", "mtp_weight", "device")
+               if f.name not in ("arch", "seed", "threads", "min_lr_ratio", "mtp_weight", "device")
                and not getattr(self, f.name) > 0]
         if bad:
             raise DeltaserveError(f"training config: {', '.join(bad)} must be positive")
         if not 0 <= self.min_lr_ratio <= 1 or self.threads < 0 or self.mtp_weight < 0:
             raise DeltaserveError(f"training config: min_lr_ratio={self.min_lr_ratio} must be in [0, 1], "
                                   f"threads={self.threads} and mtp_weight={self.mtp_weight} >= 0")
+        if self.arch not in ("qwen35", "qwen35moe", "qwen3next"):
+            raise DeltaserveError(f"training config: arch={self.arch!r} is not qwen35, qwen35moe or qwen3next")
         if self.chat_rows > self.batch:
             raise DeltaserveError(f"training config: chat_rows={self.chat_rows} must be at most batch={self.batch}")
         if self.warmup >= self.steps:
             raise DeltaserveError(f"training config: warmup={self.warmup} must be shorter than steps={self.steps}")
 
     def model_config(self, vocab: int) -> QwenConfig:
-        """The model's qwen35 config for `vocab` tokens; the context it was trained on is its stated length."""
+        """The model's config for `vocab` tokens; the context it was trained on is its stated length."""
+        moe = self.arch != "qwen35"
+        ffn = dict(num_experts=self.experts, num_experts_per_tok=2, moe_intermediate_size=self.intermediate // 4,
+                   shared_expert_intermediate_size=self.intermediate // 2) if moe else {}
         return QwenConfig(
-            arch="qwen35", vocab_size=vocab, hidden_size=self.hidden,
+            arch=self.arch, vocab_size=vocab, hidden_size=self.hidden,
             layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(self.layers)),
-            ffn_types=("dense",) * self.layers, num_heads=self.heads, num_kv_heads=self.kv_heads,
+            ffn_types=("moe" if moe else "dense",) * self.layers, num_heads=self.heads, num_kv_heads=self.kv_heads,
             head_dim=self.head_dim, rotary_dim=self.head_dim // 4, rope_theta=10000.0, rms_norm_eps=1e-6,
             conv_kernel=4, linear_k_heads=self.gdn_heads, linear_v_heads=self.gdn_value_heads,
-            linear_k_dim=self.gdn_head_dim, linear_v_dim=self.gdn_head_dim, intermediate_size=self.intermediate,
+            linear_k_dim=self.gdn_head_dim, linear_v_dim=self.gdn_head_dim,
+            intermediate_size=0 if moe else self.intermediate, **ffn,
             tie_word_embeddings=True, max_position_embeddings=self.context, mtp_layers=1)
 
     def lr_at(self, step: int) -> float:
@@ -224,7 +234,7 @@ class _NegExp(nn.Module):
 
 
 def build_model(config: QwenConfig, seed: int) -> QwenModel:
-    """A freshly initialised qwen35 model.
+    """A freshly initialised model.
 
     Initialisation follows transformers' Qwen3.5: N(0, 0.02) matrices (the projections into the
     residual stream scaled by 1/sqrt(2 * layers), as in GPT-2), unit norms, dt_bias 1, A = -U(0.01, 16),
@@ -241,7 +251,7 @@ def build_model(config: QwenConfig, seed: int) -> QwenModel:
             elif name.endswith(".conv_weight"):
                 bound = config.conv_kernel ** -0.5
                 p.uniform_(-bound, bound, generator=gen)
-            elif name.endswith(("out_proj.weight", "o_proj.weight", "down.weight")):
+            elif name.endswith(("out_proj.weight", "o_proj.weight", "down.weight", "experts.down")):
                 p.normal_(0.0, residual_std, generator=gen)
             else:
                 p.normal_(0.0, 0.02, generator=gen)

@@ -65,8 +65,8 @@ def tiny_data():
     return tokenizer, encode(tokenizer, paragraphs[:-1]), encode(tokenizer, paragraphs[-1:])  # Streams
 
 
-def tiny_model(tokenizer, seed=0):
-    return build_model(TINY.model_config(tokenizer.vocab_size), seed)
+def tiny_model(tokenizer, seed=0, arch="qwen35"):
+    return build_model(replace(TINY, arch=arch).model_config(tokenizer.vocab_size), seed)
 
 
 def randomise(model, seed):
@@ -119,11 +119,13 @@ def test_read_texts_names_what_is_missing(tmp_path):
 
 # -- training --------------------------------------------------------------------------------------
 
-def test_loss_goes_down_and_every_weight_learns(tiny_data):
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "qwen3next"])
+def test_loss_goes_down_and_every_weight_learns(tiny_data, arch):
     tokenizer, train_ids, val_ids = tiny_data
-    model = tiny_model(tokenizer)
+    model = tiny_model(tokenizer, arch=arch)
+    assert model.config.mtp_ffn == ("dense" if arch == "qwen35" else "moe")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    history = train(TINY, model, train_ids, val_ids, log=lambda line: None)
+    history = train(replace(TINY, arch=arch), model, train_ids, val_ids, log=lambda line: None)
     assert [h["step"] for h in history] == [10, 20, 30]
     assert history[0]["train"] < math.log(TINY.vocab) + 0.5  # starts near uniform
     assert history[-1]["train"] < history[0]["train"] - 0.5
@@ -202,7 +204,8 @@ def test_learning_rate_schedule():
     (dict(hidden=0), "hidden=0"),
     (dict(steps=10, warmup=10), "warmup=10"),
     (dict(min_lr_ratio=1.5), "min_lr_ratio=1.5"),
-], ids=["zero-hidden", "warmup-too-long", "min-lr-above-one"])
+    (dict(arch="kimi"), "arch='kimi'"),
+], ids=["zero-hidden", "warmup-too-long", "min-lr-above-one", "unknown-arch"])
 def test_bad_config_is_refused(kwargs, problem):
     with pytest.raises(DeltaserveError, match=problem):
         TrainConfig(**kwargs)
@@ -249,9 +252,10 @@ def test_hf_layout_runs_in_transformers(tiny_data):
         torch.testing.assert_close(grad, hf_grad, rtol=1e-3, atol=1e-4 * hf_grad.abs().max().item(), msg=what)
 
 
-def test_gguf_export_reads_back_as_the_same_model(tiny_data, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "qwen3next"])
+def test_gguf_export_reads_back_as_the_same_model(tiny_data, tmp_path, arch):
     tokenizer, train_ids, _ = tiny_data
-    model = randomise(tiny_model(tokenizer), seed=4).requires_grad_(False)
+    model = randomise(tiny_model(tokenizer, arch=arch), seed=4).requires_grad_(False)
     path = export_gguf(model, tokenizer, tmp_path / "tiny.gguf", dtype="f32")
     back = QwenModel.from_checkpoint(open_checkpoint(path))
     mine = dict(model.named_parameters())

@@ -49,9 +49,10 @@ def well_formed(message) -> dict | None:
 def ask(client, questions: list[tuple[str, str, str]], max_tokens: int = 200) -> tuple[int, int]:
     """(well-formed calls, exact calls) among the replies to `questions`, greedy."""
     formed = exact = 0
+    model = client.models.list().data[0].id  # the served file's name
     for question, title, name in questions:
         reply = client.chat.completions.create(
-            model="default", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+            model=model, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
             tools=[FIND_LINE], tool_choice="auto", temperature=0, max_tokens=max_tokens)
         arguments = well_formed(reply.choices[0].message)
         formed += arguments is not None
