@@ -105,9 +105,10 @@ def panels_here() -> bool:
 
 def to_panels(w: torch.Tensor) -> torch.Tensor:
     """Packed parameter w with its K-quant rows moved into row panels, in place (its bytes and nothing else), where
-    this machine's kernels read them so; w unchanged otherwise."""
+    this machine's integer kernels read them so (every row of w of a type they take); w unchanged otherwise: the
+    float kernels read the file's rows 3.5x faster than panels (a Q8_0 + Q4_K projection, 0.25 vs 0.88 ms)."""
     pk = w.packing
-    if pk.panels or not panels_here() or not any(qtype in int8_types() for qtype, _ in pk.segments):
+    if pk.panels or not panels_here() or not pk.int8:
         return w
     out = parameter(w.data, Packing(pk.segments, pk.shape, pk.x_index, panels=True))
     for matrix in out.data.view(-1, pk.nbytes):  # one matrix at a time (stacked experts)
@@ -251,9 +252,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
 def uses_int8(w: torch.Tensor) -> bool:
     """Whether linear() multiplies packed matrix w by activations rounded to int8 (see INT8_ACTIVATIONS)."""
     return INT8_ACTIVATIONS and w.packing.int8
-
-
-
 
 
 def _blocked_gemm(xr: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
