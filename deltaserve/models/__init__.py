@@ -28,7 +28,8 @@ def load_model(ckpt, dtype=None, device="cpu", weight_dtype=None, kv_dtype=None,
     with float32 activations, as the file stores them: for a quantised file (torch.int8, see common._file_form)
     its GGML blocks where our kernels read the type (the K-quants, IQ4_XS, Q4_0/1, Q5_0/1, IQ4_NL, MXFP4, and Q8_0
     rows fused beside them: packed.TYPES), a matrix all of Q8_0 as int8 + scales (layers.quantize_q8), other
-    quantisations widened to float16 (a rounding far below their own); float16 for F16 files, bfloat16 for bf16 ones (GGUF or transformers); else `dtype`. kv_dtype:
+    quantisations widened to float16 (a rounding far below their own); float16 for F16 files, bfloat16 for bf16
+    ones (GGUF or transformers); else `dtype`. kv_dtype:
     the KV cache's; by default float16 beside weights stored in 16 or 8 bits with float32 activations
     (llama.cpp's default cache type: half the memory of float32 keys and values), else `dtype`. part: see
     common.build."""

@@ -48,10 +48,8 @@ inline void open_panels(const Segments& seg, const uint8_t* base, int64_t n0, in
   }
 }
 
-// y[m][0 .. 16) (stride ldy, `rows` lanes stored) = the panel's rows . activation rows m < MB (x: [nb][MB]).
-// SPAN: codes per scale, 16 (Q6_K) or 32 (Q4_K, Q5_K and IQ4_XS, whose panels repeat each scale twice): a wider
-// span halves the vpmulld, which shares the ports of vpdpbusd and costs Zen 4 two of its cycles.
-template <int MB, int SPAN>
+// y[m][0 .. 16) (stride ldy, `rows` lanes stored) = the panel's rows . activation rows m < MB (x: [nb][MB])
+template <int MB>
 inline void panel_rows(const Panel* p, const XBlock* x, int64_t nb, float* y, int64_t ldy, int64_t rows) {
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
@@ -61,11 +59,11 @@ inline void panel_rows(const Panel* p, const XBlock* x, int64_t nb, float* y, in
     __m512i blk[MB];
     for (int m = 0; m < MB; ++m) blk[m] = _mm512_setzero_si512();
 #pragma GCC unroll 1
-    for (int i = 0; i < 16; i += SPAN / 16) {  // a span of codes: one scale per row
+    for (int i = 0; i < 16; ++i) {  // a group of 16 codes: one scale per row
       __m512i sub[MB];
       for (int m = 0; m < MB; ++m) sub[m] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-      for (int c = 0; c < SPAN / 4; ++c) {
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
         const __m512i codes = _mm512_load_si512(pb.q[4 * i + c]);
 #pragma GCC unroll 8
         for (int m = 0; m < MB; ++m) sub[m] = dot4(sub[m], codes, xb[m].q + 4 * (4 * i + c));
@@ -92,17 +90,16 @@ inline void panel_rows(const Panel* p, const XBlock* x, int64_t nb, float* y, in
   for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(y + m * ldy, keep, acc[m]);
 }
 
-template <int SPAN>
 inline void panel_group(int64_t mb, const Panel* p, const XBlock* x, int64_t nb, float* y, int64_t ldy, int64_t rows) {
   switch (mb) {
-    case 1: return panel_rows<1, SPAN>(p, x, nb, y, ldy, rows);
-    case 2: return panel_rows<2, SPAN>(p, x, nb, y, ldy, rows);
-    case 3: return panel_rows<3, SPAN>(p, x, nb, y, ldy, rows);
-    case 4: return panel_rows<4, SPAN>(p, x, nb, y, ldy, rows);
-    case 5: return panel_rows<5, SPAN>(p, x, nb, y, ldy, rows);
-    case 6: return panel_rows<6, SPAN>(p, x, nb, y, ldy, rows);
-    case 7: return panel_rows<7, SPAN>(p, x, nb, y, ldy, rows);
-    default: return panel_rows<8, SPAN>(p, x, nb, y, ldy, rows);
+    case 1: return panel_rows<1>(p, x, nb, y, ldy, rows);
+    case 2: return panel_rows<2>(p, x, nb, y, ldy, rows);
+    case 3: return panel_rows<3>(p, x, nb, y, ldy, rows);
+    case 4: return panel_rows<4>(p, x, nb, y, ldy, rows);
+    case 5: return panel_rows<5>(p, x, nb, y, ldy, rows);
+    case 6: return panel_rows<6>(p, x, nb, y, ldy, rows);
+    case 7: return panel_rows<7>(p, x, nb, y, ldy, rows);
+    default: return panel_rows<8>(p, x, nb, y, ldy, rows);
   }
 }
 
@@ -205,15 +202,8 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
         for (int64_t b = 0; b < nb; ++b) open_row_panel(seg.type(tile.s), seg.row(base, tile.s, tile.n0, K), nb, b, panels[b]);
       else
         open_panels(seg, base, tile.n0, tile.rows, K, scratch.data(), panels.data());
-      const bool wide = seg.type(tile.s) != Q6_K;  // one scale per 32 codes
-      for (int64_t g = 0; g < M; g += kRows) {
-        const int64_t mb = std::min<int64_t>(kRows, M - g);
-        float* out = y + g * N + tile.n0;
-        if (wide)
-          panel_group<32>(mb, panels.data(), xq + g * nb, nb, out, N, tile.rows);
-        else
-          panel_group<16>(mb, panels.data(), xq + g * nb, nb, out, N, tile.rows);
-      }
+      for (int64_t g = 0; g < M; g += kRows)
+        panel_group(std::min<int64_t>(kRows, M - g), panels.data(), xq + g * nb, nb, y + g * N + tile.n0, N, tile.rows);
     }
   });
 }
