@@ -242,6 +242,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     elif cpu and xr.shape[0] <= _GEMV_ROWS and x.dtype == torch.float32:
         y = torch.empty(xr.shape[0], N)
         fused.extension().linear_packed(xr.contiguous(), w, pk.table, y)
+    elif cpu and _q8_beside_int8(pk):
+        y = _int8_by_runs(xr.float().contiguous(), w)
     else:
         y = _blocked_gemm(xr, w)
     y = y.view(*x.shape[:-1], N)
@@ -252,6 +254,41 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
 def uses_int8(w: torch.Tensor) -> bool:
     """Whether linear() multiplies packed matrix w by activations rounded to int8 (see INT8_ACTIVATIONS)."""
     return INT8_ACTIVATIONS and w.packing.int8
+
+
+def _q8_beside_int8(pk: Packing) -> bool:
+    """Whether a prefill through linear() takes each run of rows to its integer kernel: a matrix of Q8_0 rows
+    beside rows of int8_types() (a MoE Q4_K_M file's attention inputs), where the integer kernels are built."""
+    types = {t for t, _ in pk.segments}
+    return (INT8_ACTIVATIONS and len(pk.shape) == 2 and Q.Q8_0 in types and len(types) > 1
+            and types - {Q.Q8_0} <= int8_types() and fused.extension().q8_int8())
+
+
+def _int8_by_runs(xr: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """xr [M, K] float32 @ W^T for such a matrix: its Q8_0 rows through the Q8_0 kernel (activations rounded per
+    32; the codes and scales copied out of the blocks for the call), the other rows through linear_int8 as one
+    matrix (activations rounded per 256): each type with llama.cpp's arithmetic for it. [M, N]"""
+    pk, ext = w.packing, fused.extension()
+    M, (N, K) = xr.shape[0], pk.shape
+    y = xr.new_empty(M, N)
+    others, places, at = [], [], 0  # the other rows' table, renumbered from 0; where their outputs go
+    for qtype, first, end, offset, panel in pk.table.tolist():
+        n = end - first
+        if qtype != Q.Q8_0:
+            others.append((qtype, at, at + n, offset, panel))
+            places.append((first, at, n))
+            at += n
+            continue
+        blocks = w.data[offset:offset + n * row_bytes(Q.Q8_0, K)].view(n, K // 32, 34)  # d f16 | qs int8[32]
+        part = xr.new_empty(M, n)
+        ext.linear_q8_int8(xr, blocks[..., 2:].contiguous().view(torch.int8).view(n, K),
+                           blocks[..., :2].contiguous().view(torch.float16).view(n, K // 32), part)
+        y[:, first:end] = part
+    part = xr.new_empty(M, at)
+    ext.linear_int8(xr, w, torch.tensor(others, dtype=torch.int64), part)
+    for first, begin, n in places:
+        y[:, first:first + n] = part[:, begin:begin + n]
+    return y
 
 
 def _blocked_gemm(xr: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from deltaserve.models import packed
 from deltaserve.models.layers import linear
 from deltaserve.ops import fused
 from tests.models.test_packed_weights import assert_matmul, packed_matrix
+from tests.models.test_q8_weights import q8_0_rounded
 from tests.builds import run_in_build
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="the C++ kernels did not build here")
@@ -78,6 +79,25 @@ def test_mixed_types_zero_rows_and_outliers(rows, panels):
     x[-1, :256] = 0
     x[rows // 2, 100] = 1e4
     assert_int8_matmul(run(x, w), x, ref)
+
+
+@pytest.mark.skipif(not (fused.available() and fused.extension().q8_int8()),
+                    reason="this CPU has no AVX-512 VNNI (the Q8_0 integer kernels)")
+def test_prefill_of_q8_0_rows_beside_k_quants():
+    """A projection of Q8_0 runs between K-quant rows (a MoE Q4_K_M file's attention inputs), 40 activation rows:
+    the Q8_0 rows take activations rounded per 32 (llama.cpp's Q8_0), the others per 256 (Q8_K), each within
+    float32 rounding of its own float64 reference; nothing is widened to a float GEMM."""
+    K = 512
+    segments = [(Q.Q8_0, 21), (Q.Q4_K, 37), (Q.Q6_K, 5), (Q.Q8_0, 3), (Q.Q5_K, 16)]
+    w, ref = packed_matrix(segments, K, seed=11)
+    x = torch.randn(40, K) * torch.rand(40, 1) * 4
+    assert packed._q8_beside_int8(w.packing) and not packed.uses_int8(w)
+    y = linear(x, w).double()
+    q8 = torch.cat([torch.full((n,), t == Q.Q8_0) for t, n in segments])
+    xq8 = q8_0_rounded(x)
+    bound = 1e-5 * (xq8.abs() @ ref[q8].abs().T) + 1e-30
+    assert torch.all((y[:, q8] - xq8 @ ref[q8].T).abs() <= bound)
+    assert_int8_matmul(y[:, ~q8], x, ref[~q8])
 
 
 def test_linear_takes_the_integer_kernels_and_can_be_told_not_to(monkeypatch):
