@@ -395,7 +395,10 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [M, hidden]; ids, weights [M, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x) over the experts
-        held, [M, hidden]."""
+        held, [M, hidden]. One token (a decode step) runs its experts in turn; more are grouped by expert."""
+        return self._one_token(x, ids, weights) if ids.shape[0] == 1 else self._grouped(x, ids, weights)
+
+    def _grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         k, n = ids.shape[1], self.gate_up.shape[0]
         flat = ids.flatten()
         order = flat.argsort()  # assignments grouped by expert
@@ -411,6 +414,17 @@ class Experts(nn.Module):
             y = linear(swiglu(linear(x[rows], part(self.gate_up, e))), part(self.down, e))
             out.index_add_(0, rows, y.float() * weights.flatten()[order[begin:begin + count], None])
             begin += count
+        return out.to(x.dtype)
+
+
+    def _one_token(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """_grouped's sums for one token, in its order (experts ascending), without its sorting and scatter."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        n = self.gate_up.shape[0]
+        for e, w in sorted(zip(ids[0].tolist(), weights[0].unbind())):
+            if self.first <= e < self.first + n:
+                e -= self.first
+                out += linear(swiglu(linear(x, part(self.gate_up, e))), part(self.down, e)).float() * w
         return out.to(x.dtype)
 
 

@@ -140,6 +140,29 @@ def test_router_and_experts_against_per_token_loop():
     assert torch.allclose(unnormalised, logits.softmax(-1).topk(top_k).values)
 
 
+@pytest.mark.parametrize("first", [0, 2], ids=["all-experts", "rank-holding-2-of-5"])
+def test_one_token_takes_the_experts_as_grouping_does(first):
+    """A decode step's token runs its experts one after another: the grouped path's sums for that token, in the
+    same order, bit for bit, and float64's within rounding; a tensor-parallel rank adds only the experts it holds."""
+    n, hidden, inter, top_k = 5, 7, 3, 3
+    held = Experts(n - first, hidden, inter, first=first)
+    with torch.no_grad():
+        held.gate_up.copy_(randn(n - first, 2 * inter, hidden))
+        held.down.copy_(randn(n - first, hidden, inter))
+    x = randn(4, hidden)
+    weights, ids = softmax_topk(randn(4, n), top_k, normalize=True)
+    with torch.no_grad():
+        for m in range(4):
+            one = held(x[m:m + 1], ids[m:m + 1], weights[m:m + 1])
+            assert torch.equal(one, held._grouped(x[m:m + 1], ids[m:m + 1], weights[m:m + 1]))
+            expected = torch.zeros(hidden, dtype=torch.float64)
+            for e, w in zip(ids[m].tolist(), weights[m].double()):
+                if e >= first:
+                    h = held.gate_up[e - first].double() @ x[m].double()
+                    expected += w * (held.down[e - first].double() @ (h[:inter] * torch.sigmoid(h[:inter]) * h[inter:]))
+            assert torch.allclose(one[0].double(), expected, atol=1e-5)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["f32_cache", "f16_cache"])
 @pytest.mark.parametrize("hd", [20, 48], ids=["hd20", "hd48"])  # 48: whole 16-lane vectors and no tail
 @pytest.mark.parametrize("T, kernel", [(1, "attention_step"), (5, "norm_rope_rows")], ids=["decode", "prefill"])
