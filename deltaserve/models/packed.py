@@ -227,7 +227,8 @@ def dequantize(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W^T (+ bias) in x's dtype for a packed matrix W: K-quant matrices through the integer kernels (see
     INT8_ACTIVATIONS); otherwise up to 16 rows of float32 activations through the GEMV kernel (the blocks stream
-    from memory once), more through float32 GEMMs on blocks of dequantised rows. (A decode step makes ~100 of
+    from memory once); more through the integer kernels run by run where Q8_0 rows sit beside K-quant ones
+    (_q8_beside_int8), else through float32 GEMMs on blocks of dequantised rows. (A decode step makes ~100 of
     these calls: no-op conversions are skipped, each costs a microsecond.)"""
     pk = w.packing
     N, K = pk.shape
