@@ -401,7 +401,7 @@ class Experts(nn.Module):
     def _grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         k, n = ids.shape[1], self.gate_up.shape[0]
         flat = ids.flatten()
-        order = flat.argsort()  # assignments grouped by expert
+        order = flat.argsort(stable=True)  # assignments grouped by expert, tokens ascending (as plan.h takes them)
         tokens = order // k
         counts = torch.bincount(flat, minlength=self.first + n).tolist()
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

@@ -1,7 +1,6 @@
 """The one-call paths of speculative decoding (models/qwen/plan.py: the verify pass, the MTP layer's drafts and
 cache writes) against transformers / the float64 MTP reference of test_mtp.py, and bit for bit against
-the modules they replace. Dense qwen35 layers take the plans; the MoE families (qwen35moe, qwen3next here) keep
-the modules, which the same checks cover."""
+the modules they replace, for the dense (qwen35) and the MoE families (qwen35moe, qwen3next)."""
 
 from __future__ import annotations
 
@@ -42,7 +41,7 @@ def test_verify_pass_matches_transformers_and_the_modules(tiny, with_mtp, monkey
     prefixes, T = [9, 4], 5
     logits, state = verify_run(model, prefixes, T)
     planned = any(key[0] == 0 and plan is not None for key, plan in model.__dict__["_decode_plans"].items())
-    assert planned == (tiny.family == "qwen3_5")  # dense layers take the plan; MoE ones the modules
+    assert planned  # dense and MoE layers take the plan
     for n, p in enumerate(prefixes):
         assert rel_err(logits[n], reference_logits(tiny, IDS[:p + T])[p:]) < 1e-4
 
@@ -80,7 +79,7 @@ def test_chained_drafts_match_the_float64_mtp_and_the_modules(tiny, with_mtp, mo
     drafts, state = draft_run(model, [3, 1])
     assert [len(d) for d in drafts] == [3, 1]
     planned = any(key[0] == "mtp" and plan is not None for key, plan in model.__dict__["_decode_plans"].items())
-    assert planned == (tiny.family == "qwen3_5")  # a dense MTP layer takes the plan
+    assert planned  # the MTP layer takes the plan, dense or MoE
     cfg = tiny.model.config
     for n, p in enumerate((14, 9)):  # each draft is the reference's argmax after the drafts before it
         h = trunk_hidden(tiny, IDS[:p])
@@ -102,7 +101,7 @@ def test_chained_drafts_match_the_float64_mtp_and_the_modules(tiny, with_mtp, mo
 
 
 def test_chained_drafts_on_bfloat16_weights_match_the_modules(tiny, with_mtp, tmp_path, monkeypatch):
-    """A bf16 checkpoint keeps its embedding and matmul weights bfloat16: the MTP plan takes it (a dense layer) and
+    """A bf16 checkpoint keeps its embedding and matmul weights bfloat16: the MTP plan takes it and
     drafts what the modules draft, step by step, on the same weights."""
     import shutil
 
@@ -116,7 +115,39 @@ def test_chained_drafts_on_bfloat16_weights_match_the_modules(tiny, with_mtp, tm
     assert model.embed.weight.dtype == torch.bfloat16
     drafts, _ = draft_run(model, [3, 2])
     planned = any(key[0] == "mtp" and plan is not None for key, plan in model.__dict__["_decode_plans"].items())
-    assert planned == (tiny.family == "qwen3_5")
+    assert planned
     monkeypatch.setattr(QwenModel, "mtp_draft", HybridModel.mtp_draft)
     monkeypatch.setattr(QwenModel, "mtp_follow", HybridModel.mtp_follow)
     assert draft_run(model, [3, 2])[0] == drafts
+
+
+def decode_run(model, prefixes: list[int], steps: int):
+    """Sequences in slots 2, 0 and 1 of three holding IDS[:prefixes[n]], then `steps` decode steps of all of them
+    on the following ids -> (logits [steps, N, V], state)."""
+    state = model.new_state(3, 40)
+    slots = [2, 0, 1][:len(prefixes)]
+    for slot, p in zip(slots, prefixes):
+        model(IDS[None, :p], state, [slot])
+    out = [model(torch.stack([IDS[p + s:p + s + 1] for p in prefixes]), state, slots) for s in range(steps)]
+    return torch.stack(out), state
+
+
+@pytest.mark.parametrize("prefixes", [[7], [9, 4, 6]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_steps_match_transformers_and_the_modules(tiny, with_mtp, prefixes, dtype, monkeypatch):
+    """Decode steps of one sequence (a MoE layer runs the token's experts in turn) and of three (grouped by expert)
+    through the plan: transformers' logits (float32 weights), and the modules' bit for bit, caches included."""
+    path, _ = with_mtp
+    model = QwenModel.from_checkpoint(open_checkpoint(path), weight_dtype=dtype, kv_dtype=torch.float32)
+    logits, state = decode_run(model, prefixes, 3)
+    assert any(key[0] == 0 and plan is not None for key, plan in model.__dict__["_decode_plans"].items())
+    if dtype == torch.float32:
+        for n, p in enumerate(prefixes):
+            assert rel_err(logits[:, n], reference_logits(tiny, IDS[:p + 3])[p:]) < 1e-4
+
+    monkeypatch.setattr(QwenModel, "decode_step", HybridModel.decode_step)
+    modules, by_modules = decode_run(model, prefixes, 3)
+    assert torch.equal(logits, modules)
+    for ours, theirs in ((state.conv, by_modules.conv), (state.ssm, by_modules.ssm), (state.k, by_modules.k),
+                         (state.v, by_modules.v)):
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(ours, theirs))

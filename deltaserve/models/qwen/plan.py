@@ -22,7 +22,7 @@ import torch
 
 from deltaserve.models import layers as layer_ops
 from deltaserve.models import packed
-from deltaserve.models.layers import _GEMV_ROWS, _STEP_CACHE_DTYPES, MLP, _split_decode, q8_int8
+from deltaserve.models.layers import _GEMV_ROWS, _STEP_CACHE_DTYPES, MLP, SparseMoE, _split_decode, part, q8_int8
 from deltaserve.ops import fused
 
 _NONE = torch.empty(0)  # a layer's missing cache or gather
@@ -78,22 +78,41 @@ def _build_layers(ext, layers: list):
     """A DecodePlan of these decoder layers, or None where one is not the plan's case."""
     plan = ext.DecodePlan()
     for layer in layers:
-        if not isinstance(layer.ffn, MLP):
-            return None
         mixer, norms = layer.mixer, (layer.input_norm.weight, layer.post_norm.weight)
-        if layer.input_norm.eps != layer.post_norm.eps:
+        if layer.input_norm.eps != layer.post_norm.eps or any(t.dtype != torch.float32 for t in norms):
+            return None
+        ffn = _feed_forward(ext, layer.ffn)  # (first: a tensor-parallel rank's modules are wrapped, see there)
+        if ffn is None:
             return None
         linears = [_linear(ext, m) for m in ((mixer.in_proj, mixer.out_proj) if layer.recurrent
-                                             else (mixer.qkv_proj, mixer.o_proj)) + (layer.ffn.gate_up, layer.ffn.down)]
-        if any(ref is None for ref in linears) or any(t.dtype != torch.float32 for t in norms):
+                                             else (mixer.qkv_proj, mixer.o_proj))]
+        if any(ref is None for ref in linears):
             return None
         if layer.recurrent:
-            plan.add_gdn(*norms, layer.input_norm.eps, *linears, mixer.conv_weight, mixer.A, mixer.dt_bias,
+            plan.add_gdn(*norms, layer.input_norm.eps, *linears, ffn, mixer.conv_weight, mixer.A, mixer.dt_bias,
                          mixer.norm.weight, mixer.norm.eps, mixer.H)
         else:
-            plan.add_attention(*norms, layer.input_norm.eps, *linears, mixer.q_norm.weight, mixer.k_norm.weight,
+            plan.add_attention(*norms, layer.input_norm.eps, *linears, ffn, mixer.q_norm.weight, mixer.k_norm.weight,
                                mixer.q_norm.eps, mixer.num_heads)
     return plan
+
+
+def _feed_forward(ext, ffn):
+    """The C++ FeedForward of an MLP or a SparseMoE holding all its experts, or None where one of its weights has
+    no kernel (or the module is another: a tensor-parallel rank's wraps its output in an all-reduce)."""
+    if isinstance(ffn, MLP):
+        refs = [_linear(ext, ffn.gate_up)], [_linear(ext, ffn.down)]
+        return None if None in refs[0] + refs[1] else ext.FeedForward(*refs, None, 1, False, None, None, None)
+    if not isinstance(ffn, SparseMoE) or ffn.experts.first != 0:
+        return None
+    experts = ffn.experts
+    refs = [[_weight_ref(ext, part(w, e)) for e in range(w.shape[0])] for w in (experts.gate_up, experts.down)]
+    router = _linear(ext, ffn.router)
+    shared = [None] * 3 if ffn.shared is None else \
+        [_linear(ext, m) for m in (ffn.shared_gate, ffn.shared.gate_up, ffn.shared.down)]
+    if None in refs[0] + refs[1] or router is None or (ffn.shared is not None and None in shared):
+        return None
+    return ext.FeedForward(*refs, router, ffn.top_k, ffn.normalize, *shared)
 
 
 def _linear(ext, module):

@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -38,7 +39,7 @@ struct LinearRef {
 
   torch::Tensor operator()(torch::Tensor x) const {
     if (x_index.numel()) x = x.index_select(1, x_index);
-    x = x.contiguous();
+    if (kind != kF32) x = x.contiguous();  // (torch's GEMM takes rows apart, as F.linear passes them)
     torch::Tensor y = at::empty({x.size(0), N}, at::TensorOptions().dtype(at::kFloat));
     switch (kind) {
       case kInt8Packed: kq::linear_int8(x, w, aux, y); break;
@@ -53,11 +54,79 @@ struct LinearRef {
   }
 };
 
+// A layer's feed-forward: a SwiGLU MLP, or softmax top-k routed SwiGLU experts plus, where the layer has one, a
+// shared expert scaled by sigmoid(x w_gate) (models/layers.py SparseMoE: the same kernels, and the same sums in the
+// same order: experts ascending, each row's share scaled by its weight and then added).
+struct FeedForward {
+  std::vector<LinearRef> gate_up, down;  // the MLP's, or one per expert: [2I, E] (gate rows first), [E, I]
+  std::optional<LinearRef> router;       // MoE: [experts, E]
+  int64_t top_k;
+  bool normalize;                                          // MoE: weights renormalised to sum 1
+  std::optional<LinearRef> shared_gate, shared_up, shared_down;  // MoE: the shared expert's [1, E], [2I, E], [E, I]
+
+  FeedForward(std::vector<LinearRef> gate_up, std::vector<LinearRef> down, std::optional<LinearRef> router,
+              int64_t top_k, bool normalize, std::optional<LinearRef> shared_gate, std::optional<LinearRef> shared_up,
+              std::optional<LinearRef> shared_down)
+      : gate_up(std::move(gate_up)), down(std::move(down)), router(std::move(router)), top_k(top_k),
+        normalize(normalize), shared_gate(std::move(shared_gate)), shared_up(std::move(shared_up)),
+        shared_down(std::move(shared_down)) {
+    const size_t n = this->gate_up.size();
+    TORCH_CHECK(n >= 1 && this->down.size() == n && (this->router ? top_k >= 1 && top_k <= static_cast<int64_t>(n)
+                                                                    : n == 1),
+                "FeedForward: one gate_up and down per expert (one for an MLP), 1 <= top_k <= experts");
+    TORCH_CHECK(!this->shared_gate == !this->shared_up && !this->shared_up == !this->shared_down,
+                "FeedForward: the shared expert needs its gate, gate_up and down");
+  }
+
+  // x [M, E] float32 -> [M, E]
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (!router) return swiglu(gate_up[0], down[0], x, true);
+    const int64_t M = x.size(0), k = top_k;
+    auto [weights, ids] = (*router)(x).softmax(-1).topk(k, -1);
+    if (normalize) weights = weights / weights.sum(-1, true);
+    weights = weights.contiguous(), ids = ids.contiguous();
+    std::vector<std::vector<int64_t>> picks(gate_up.size());  // per expert: its assignments m k + j, m ascending
+    const int64_t* id = ids.data_ptr<int64_t>();
+    for (int64_t a = 0; a < M * k; ++a) {
+      TORCH_CHECK(id[a] >= 0 && id[a] < static_cast<int64_t>(picks.size()), "FeedForward: expert ", id[a]);
+      picks[id[a]].push_back(a);
+    }
+    torch::Tensor out = at::zeros_like(x);
+    const torch::Tensor flat = weights.view({-1});
+    const auto i64 = at::TensorOptions().dtype(at::kLong);
+    for (size_t e = 0; e < picks.size(); ++e) {
+      if (picks[e].empty()) continue;
+      const int64_t n = static_cast<int64_t>(picks[e].size());
+      if (M == 1) {
+        out.add_(swiglu(gate_up[e], down[e], x, false).mul_(flat[picks[e][0]]));
+        continue;
+      }
+      const torch::Tensor assigned = torch::from_blob(picks[e].data(), {n}, i64);
+      const torch::Tensor rows = assigned.div(k, "floor");
+      const torch::Tensor y = swiglu(gate_up[e], down[e], x.index_select(0, rows), false);
+      out.index_add_(0, rows, y.mul_(flat.index_select(0, assigned).unsqueeze(1)));
+    }
+    if (shared_gate) out.add_(swiglu(*shared_up, *shared_down, x, true).mul_((*shared_gate)(x).sigmoid_()));
+    return out;
+  }
+
+  // down(silu(gate) * up) of x [M, E]. in_place (as an MLP module runs): the product over the gate half of gate_up's
+  // output, which the down projection then reads rows 2I apart (a float32 GEMM's sums depend on that stride)
+  static torch::Tensor swiglu(const LinearRef& gate_up, const LinearRef& down, const torch::Tensor& x, bool in_place) {
+    const torch::Tensor g = gate_up(x);
+    const int64_t I = g.size(1) / 2;
+    torch::Tensor act = in_place ? g.narrow(1, 0, I) : at::empty({x.size(0), I}, at::TensorOptions().dtype(at::kFloat));
+    silu_mul(g, act);
+    return down(act);
+  }
+};
+
 struct LayerPlan {
   bool attention;
   torch::Tensor input_norm, post_norm;
   double eps;
-  LinearRef in, out, gate_up, down;
+  LinearRef in, out;
+  FeedForward ffn;
   torch::Tensor conv_weight, A, dt_bias, norm, q_norm, k_norm;  // GDN: the first four; attention: the last two
   double inner_eps;                                            // GDN output norm / attention q, k norms
   int64_t heads;                                               // GDN key heads / attention query heads
@@ -66,16 +135,16 @@ struct LayerPlan {
 class DecodePlan {
  public:
   void add_gdn(torch::Tensor input_norm, torch::Tensor post_norm, double eps, const LinearRef& in, const LinearRef& out,
-               const LinearRef& gate_up, const LinearRef& down, torch::Tensor conv_weight, torch::Tensor A,
+               const FeedForward& ffn, torch::Tensor conv_weight, torch::Tensor A,
                torch::Tensor dt_bias, torch::Tensor norm, double norm_eps, int64_t key_heads) {
-    layers_.push_back({false, input_norm, post_norm, eps, in, out, gate_up, down, conv_weight, A, dt_bias, norm,
+    layers_.push_back({false, input_norm, post_norm, eps, in, out, ffn, conv_weight, A, dt_bias, norm,
                        torch::Tensor(), torch::Tensor(), norm_eps, key_heads});
   }
 
   void add_attention(torch::Tensor input_norm, torch::Tensor post_norm, double eps, const LinearRef& qkv,
-                     const LinearRef& o, const LinearRef& gate_up, const LinearRef& down, torch::Tensor q_norm,
+                     const LinearRef& o, const FeedForward& ffn, torch::Tensor q_norm,
                      torch::Tensor k_norm, double qk_eps, int64_t heads) {
-    layers_.push_back({true, input_norm, post_norm, eps, qkv, o, gate_up, down, torch::Tensor(), torch::Tensor(),
+    layers_.push_back({true, input_norm, post_norm, eps, qkv, o, ffn, torch::Tensor(), torch::Tensor(),
                        torch::Tensor(), torch::Tensor(), q_norm, k_norm, qk_eps, heads});
   }
 
@@ -161,10 +230,7 @@ class DecodePlan {
       }
       h.add_(mixed);
       rms_norm(h, l.post_norm, l.eps, x, none, 0);
-      const torch::Tensor gate_up = l.gate_up(x);
-      torch::Tensor act = at::empty({M, gate_up.size(1) / 2}, f32);
-      silu_mul(gate_up, act);
-      h.add_(l.down(act));
+      h.add_(l.ffn(x));
     }
     return h;
   }
@@ -297,6 +363,10 @@ inline void bind_plan(pybind11::module_& m) {
   py::class_<LinearRef>(m, "LinearRef")
       .def(py::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t>())
       .def("__call__", &LinearRef::operator());
+  py::class_<FeedForward>(m, "FeedForward")
+      .def(py::init<std::vector<LinearRef>, std::vector<LinearRef>, std::optional<LinearRef>, int64_t, bool,
+                    std::optional<LinearRef>, std::optional<LinearRef>, std::optional<LinearRef>>())
+      .def("__call__", &FeedForward::operator());
   py::class_<DecodePlan>(m, "DecodePlan")
       .def(py::init<>())
       .def("add_gdn", &DecodePlan::add_gdn)
