@@ -53,7 +53,8 @@ class Packing:
     def __post_init__(self):
         rows, offset, table = 0, 0, []
         for qtype, n in self.segments:
-            table.append((int(qtype), rows, rows + n, offset, PANEL_ROWS if self.panels and qtype in int8_types() else 0))
+            paneled = self.panels and qtype in int8_types() and qtype != Q.Q8_0  # Q8_0 rows are read as they lie
+            table.append((int(qtype), rows, rows + n, offset, PANEL_ROWS if paneled else 0))
             rows, offset = rows + n, offset + n * row_bytes(qtype, self.shape[-1])
         object.__setattr__(self, "table", torch.tensor(table, dtype=torch.int64).view(-1, 5))
 
@@ -91,8 +92,9 @@ def parameter(data: torch.Tensor, packing: Packing) -> nn.Parameter:
 
 @functools.cache
 def int8_types() -> frozenset:
-    """The types with integer kernels in this machine's build: INT8_TYPES, and IQ4_XS where vpdpbusd takes its
-    codes (AVX-512 VNNI)."""
+    """The types with integer kernels in this machine's build: INT8_TYPES, and where vpdpbusd takes their codes
+    (AVX-512 VNNI) IQ4_XS and Q8_0 (its rows beside others': activations rounded per 32 for them, llama.cpp's Q8_0,
+    and per 256 for the rest)."""
     if not fused.available():
         return INT8_TYPES
     return frozenset(Q(t) for t in fused.extension().int8_types())
@@ -225,11 +227,10 @@ def dequantize(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W^T (+ bias) in x's dtype for a packed matrix W: K-quant matrices through the integer kernels (see
-    INT8_ACTIVATIONS); otherwise up to 16 rows of float32 activations through the GEMV kernel (the blocks stream
-    from memory once); more through the integer kernels run by run where Q8_0 rows sit beside K-quant ones
-    (_q8_beside_int8), else through float32 GEMMs on blocks of dequantised rows. (A decode step makes ~100 of
-    these calls: no-op conversions are skipped, each costs a microsecond.)"""
+    """x @ W^T (+ bias) in x's dtype for a packed matrix W: matrices of int8_types() through the integer kernels
+    (see INT8_ACTIVATIONS); otherwise up to 16 rows of float32 activations through the GEMV kernel (the blocks
+    stream from memory once), more through float32 GEMMs on blocks of dequantised rows. (A decode step makes ~100
+    of these calls: no-op conversions are skipped, each costs a microsecond.)"""
     pk = w.packing
     N, K = pk.shape
     xr = x.view(-1, K) if x.is_contiguous() else x.reshape(-1, K)
@@ -243,8 +244,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     elif cpu and xr.shape[0] <= _GEMV_ROWS and x.dtype == torch.float32:
         y = torch.empty(xr.shape[0], N)
         fused.extension().linear_packed(xr.contiguous(), w, pk.table, y)
-    elif cpu and _q8_beside_int8(pk):
-        y = _int8_by_runs(xr.float().contiguous(), w)
     else:
         y = _blocked_gemm(xr, w)
     y = y.view(*x.shape[:-1], N)
@@ -255,41 +254,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
 def uses_int8(w: torch.Tensor) -> bool:
     """Whether linear() multiplies packed matrix w by activations rounded to int8 (see INT8_ACTIVATIONS)."""
     return INT8_ACTIVATIONS and w.packing.int8
-
-
-def _q8_beside_int8(pk: Packing) -> bool:
-    """Whether a prefill through linear() takes each run of rows to its integer kernel: a matrix of Q8_0 rows
-    beside rows of int8_types() (a MoE Q4_K_M file's attention inputs), where the integer kernels are built."""
-    types = {t for t, _ in pk.segments}
-    return (INT8_ACTIVATIONS and len(pk.shape) == 2 and Q.Q8_0 in types and len(types) > 1
-            and types - {Q.Q8_0} <= int8_types() and fused.extension().q8_int8())
-
-
-def _int8_by_runs(xr: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """xr [M, K] float32 @ W^T for such a matrix: its Q8_0 rows through the Q8_0 kernel (activations rounded per
-    32; the codes and scales copied out of the blocks for the call), the other rows through linear_int8 as one
-    matrix (activations rounded per 256): each type with llama.cpp's arithmetic for it. [M, N]"""
-    pk, ext = w.packing, fused.extension()
-    M, (N, K) = xr.shape[0], pk.shape
-    y = xr.new_empty(M, N)
-    others, places, at = [], [], 0  # the other rows' table, renumbered from 0; where their outputs go
-    for qtype, first, end, offset, panel in pk.table.tolist():
-        n = end - first
-        if qtype != Q.Q8_0:
-            others.append((qtype, at, at + n, offset, panel))
-            places.append((first, at, n))
-            at += n
-            continue
-        blocks = w.data[offset:offset + n * row_bytes(Q.Q8_0, K)].view(n, K // 32, 34)  # d f16 | qs int8[32]
-        part = xr.new_empty(M, n)
-        ext.linear_q8_int8(xr, blocks[..., 2:].contiguous().view(torch.int8).view(n, K),
-                           blocks[..., :2].contiguous().view(torch.float16).view(n, K // 32), part)
-        y[:, first:end] = part
-    part = xr.new_empty(M, at)
-    ext.linear_int8(xr, w, torch.tensor(others, dtype=torch.int64), part)
-    for first, begin, n in places:
-        y[:, first:first + n] = part[:, begin:begin + n]
-    return y
 
 
 def _blocked_gemm(xr: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,8 @@ from tests.builds import run_in_build
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="the C++ kernels did not build here")
 
-INT8 = sorted(packed.int8_types())  # the K-quants, and IQ4_XS where the build has AVX-512 VNNI
+INT8 = sorted(packed.int8_types() - {Q.Q8_0})  # the K-quants, and IQ4_XS where the build has AVX-512 VNNI
+# (Q8_0 rows beside them round activations per 32: test_q8_0_rows_beside_k_quants)
 
 
 def q8k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,21 +84,26 @@ def test_mixed_types_zero_rows_and_outliers(rows, panels):
 
 @pytest.mark.skipif(not (fused.available() and fused.extension().q8_int8()),
                     reason="this CPU has no AVX-512 VNNI (the Q8_0 integer kernels)")
-def test_prefill_of_q8_0_rows_beside_k_quants():
-    """A projection of Q8_0 runs between K-quant rows (a MoE Q4_K_M file's attention inputs), 40 activation rows:
-    the Q8_0 rows take activations rounded per 32 (llama.cpp's Q8_0), the others per 256 (Q8_K), each within
-    float32 rounding of its own float64 reference; nothing is widened to a float GEMM."""
-    K = 512
-    segments = [(Q.Q8_0, 21), (Q.Q4_K, 37), (Q.Q6_K, 5), (Q.Q8_0, 3), (Q.Q5_K, 16)]
-    w, ref = packed_matrix(segments, K, seed=11)
-    x = torch.randn(40, K) * torch.rand(40, 1) * 4
-    assert packed._q8_beside_int8(w.packing) and not packed.uses_int8(w)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+@pytest.mark.parametrize("segments, K, panels", [
+    ([(Q.Q8_0, 21), (Q.Q4_K, 37), (Q.Q6_K, 5), (Q.Q8_0, 3), (Q.Q5_K, 16)], 512, False),
+    ([(Q.Q8_0, 21), (Q.Q4_K, 37), (Q.Q6_K, 5), (Q.Q8_0, 3), (Q.Q5_K, 16)], 512, True),
+    ([(Q.Q8_0, 21), (Q.Q8_0, 3)], 544, False),  # 17 blocks of 32: a lone block ends each row
+])
+def test_q8_0_rows_beside_k_quants(rows, segments, K, panels):
+    """A projection of Q8_0 runs between K-quant rows (a MoE Q4_K_M file's attention inputs), as decode (up to 8
+    activation rows) and prefill see it: the Q8_0 rows, read where they lie, take activations rounded per 32
+    (llama.cpp's Q8_0), the others per 256 (Q8_K), each within float32 rounding of its own float64 reference."""
+    w, ref = packed_matrix(segments, K, seed=11, panels=panels)
+    assert packed.uses_int8(w)
+    x = torch.randn(rows, K) * torch.rand(rows, 1) * 4
     y = linear(x, w).double()
     q8 = torch.cat([torch.full((n,), t == Q.Q8_0) for t, n in segments])
     xq8 = q8_0_rounded(x)
     bound = 1e-5 * (xq8.abs() @ ref[q8].abs().T) + 1e-30
     assert torch.all((y[:, q8] - xq8 @ ref[q8].T).abs() <= bound)
-    assert_int8_matmul(y[:, ~q8], x, ref[~q8])
+    if not q8.all():
+        assert_int8_matmul(y[:, ~q8], x, ref[~q8])
 
 
 def test_linear_takes_the_integer_kernels_and_can_be_told_not_to(monkeypatch):

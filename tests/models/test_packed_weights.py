@@ -71,7 +71,7 @@ PANELS = [pytest.param(False, id="file-rows"), pytest.param(True, id="panels")]
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_rows_are_the_files_values(qtype, panels):
     """Rows as the file holds them, or (K-quants) 16 to a panel, the last 37 % 16 as they were."""
-    if panels and qtype not in packed.int8_types():
+    if panels and qtype not in packed.int8_types() - {Q.Q8_0}:
         pytest.skip("only rows of types with integer kernels go into panels")
     w, ref = packed_matrix([(qtype, 37)], row_width(qtype), seed=int(qtype), panels=panels)
     assert torch.equal(dequantize(w, torch.float32).double(), ref)  # the C++ decoders, bit for bit

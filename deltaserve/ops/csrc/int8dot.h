@@ -72,7 +72,10 @@ constexpr bool kIQ4Int8 = true;
 constexpr bool kIQ4Int8 = false;
 #endif
 
-inline bool int8_type(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K || (kIQ4Int8 && type == IQ4_XS); }
+// Q8_0 rows beside the others (a MoE Q4_K_M file's attention inputs) take int8q8.h's kernels, built with VNNI
+inline bool int8_type(int64_t type) {
+  return type == Q4_K || type == Q5_K || type == Q6_K || (kIQ4Int8 && (type == IQ4_XS || type == Q8_0));
+}
 
 inline float half(const uint8_t* p) {
 #if defined(__F16C__)

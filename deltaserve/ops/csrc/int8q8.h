@@ -136,24 +136,82 @@ inline void q8_rows(int64_t mb, const int8_t* w, const at::Half* ws, const Q8Act
   }
 }
 
+// Q8_0 rows as a GGUF file holds them, blocks of 34 bytes (float16 d, then 32 codes): the rows of that type in a
+// packed matrix of several (kq::linear_int8), read where they lie. q8_row's arithmetic, two blocks a vpdpbusd.
+constexpr int64_t kQ8Block = 34;
+
+template <int MB>
+inline void q8_block_row(const uint8_t* row, const Q8Acts& a, float* out) {
+  const int64_t K = a.K, nb = a.nb;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < nb; k += 2) {
+    const bool two = k + 1 < nb;
+    const uint8_t* b = row + kQ8Block * k;
+    _mm_prefetch(reinterpret_cast<const char*>(b) + kGemvPrefetch, _MM_HINT_T0);
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    const __m256i hi = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kQ8Block + 2)) : _mm256_setzero_si256();
+    const __m512i v = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), flip);
+    const __m512 s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(kq::half(b)), _mm512_set1_ps(two ? kq::half(b + kQ8Block) : 0.f));
+    const __mmask64 keep = two ? ~__mmask64{0} : 0xFFFFFFFFull;
+    const __mmask16 lanes = two ? 0xFFFF : 0xFF;
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const int64_t at = m * nb + k;
+      const __m512i xv = _mm512_maskz_loadu_epi8(keep, a.q.data() + m * K + 32 * k);
+      const __m512i sum = _mm512_dpbusd_epi32(_mm512_maskz_loadu_epi32(lanes, a.starts.data() + at * 8), v, xv);
+      const __m512 dx = _mm512_maskz_loadu_ps(lanes, a.dl.data() + at * 8);
+      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), dx), s, acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+// out[m] = row . activation row m of a, m < M <= kQ8Rows
+inline void q8_block_rows(int64_t M, const uint8_t* row, const Q8Acts& a, float* out) {
+  switch (M) {
+    case 1: return q8_block_row<1>(row, a, out);
+    case 2: return q8_block_row<2>(row, a, out);
+    case 3: return q8_block_row<3>(row, a, out);
+    case 4: return q8_block_row<4>(row, a, out);
+    case 5: return q8_block_row<5>(row, a, out);
+    case 6: return q8_block_row<6>(row, a, out);
+    case 7: return q8_block_row<7>(row, a, out);
+    default: return q8_block_row<8>(row, a, out);
+  }
+}
+
 // 16 weight rows opened for the GEMM: q [K / 4][16][4] (sign bit flipped), dw [nb][16] floats
 struct Q8Tile {
   std::vector<uint8_t> q;
   std::vector<float> dw;
 
   void open(const int8_t* w, const at::Half* ws, int64_t rows, int64_t K) {
-    const int64_t nb = K / 32;
+    gather(reinterpret_cast<const uint8_t*>(w), K, 0, 32, rows, K);  // row r's dword c at w + r K + 4c
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < K / 32; ++k) dw[k * 16 + r] = static_cast<float>(ws[r * (K / 32) + k]);
+  }
+
+  // rows of Q8_0 blocks (kQ8Block bytes each) from `first`, row_bytes apart
+  void open_blocks(const uint8_t* first, int64_t row_bytes, int64_t rows, int64_t K) {
+    gather(first, row_bytes, 2, kQ8Block, rows, K);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < K / 32; ++k) dw[k * 16 + r] = kq::half(first + r * row_bytes + k * kQ8Block);
+  }
+
+ private:
+  // q from rows `stride` bytes apart whose block k of 32 codes starts at lead + k * block (rows past the end: row 0
+  // again, their lanes never stored); dw zeroed
+  void gather(const uint8_t* w, int64_t stride, int64_t lead, int64_t block, int64_t rows, int64_t K) {
     q.resize(K * 16);
-    dw.assign(nb * 16, 0.f);
-    // row r's dword c at w + r K + 4c (rows past the end: row 0 again, their lanes never stored)
+    dw.assign(K / 32 * 16, 0.f);
     const __m512i at = _mm512_mullo_epi32(_mm512_maskz_mov_epi32(static_cast<__mmask16>((1u << rows) - 1),
                                                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
-                                          _mm512_set1_epi32(static_cast<int32_t>(K)));
+                                          _mm512_set1_epi32(static_cast<int32_t>(stride)));
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int64_t c = 0; c < K / 4; ++c)
-      _mm512_storeu_si512(q.data() + 64 * c, _mm512_xor_si512(_mm512_i32gather_epi32(at, w + 4 * c, 1), flip));
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t k = 0; k < nb; ++k) dw[k * 16 + r] = static_cast<float>(ws[r * nb + k]);
+      _mm512_storeu_si512(q.data() + 64 * c, _mm512_xor_si512(_mm512_i32gather_epi32(at, w + lead + c / 8 * block + 4 * (c % 8), 1), flip));
   }
 };
 
@@ -195,6 +253,8 @@ inline void q8_tile_rows(int64_t mb, const Q8Tile& t, const Q8Acts& a, int64_t m
 }
 #else
 constexpr bool kQ8Int8 = false;
+// (kq::int8_type takes Q8_0 rows only where the kernels above are built)
+inline void q8_block_rows(int64_t, const uint8_t*, const Q8Acts&, float*) { TORCH_CHECK(false, "Q8_0 rows need AVX-512 VNNI"); }
 #endif
 
 // y [M, N] = x [M, K] (rounded per 32 to Q8_0) @ W^T, W int8 [N, K] with float16 scales [N, K / 32].
