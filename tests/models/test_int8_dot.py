@@ -17,8 +17,9 @@ from tests.builds import run_in_build
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="the C++ kernels did not build here")
 
-INT8 = sorted(packed.int8_types() - {Q.Q8_0})  # the K-quants, and IQ4_XS where the build has AVX-512 VNNI
-# (Q8_0 rows beside them round activations per 32: test_q8_0_rows_beside_k_quants)
+INT8 = sorted(packed.int8_types() & packed.PANEL_TYPES)  # the K-quants, and IQ4_XS where the build has AVX-512 VNNI
+# (types of 32-weight blocks round activations per 32: test_32_weight_blocks, test_q8_0_rows_beside_k_quants)
+BLOCK32 = sorted(packed.int8_types() - packed.PANEL_TYPES)
 
 
 def q8k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +107,23 @@ def test_q8_0_rows_beside_k_quants(rows, segments, K, panels):
         assert_int8_matmul(y[:, ~q8], x, ref[~q8])
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+@pytest.mark.parametrize("qtype", BLOCK32, ids=lambda t: t.name)
+def test_32_weight_blocks(qtype, rows):
+    """Q4_0, Q4_1, Q5_0, Q5_1 (and Q8_0) matrices as decode (up to 8 activation rows) and prefill multiply them:
+    activations rounded per 32 (llama.cpp's Q8_0), the _1 types' offsets times the rounded block sums; within
+    float32 rounding of the float64 product of gguf-py's weights and the rounded activations."""
+    K = 544  # 17 blocks: an odd one ends each row
+    w, ref = packed_matrix([(qtype, 37)], K, seed=int(qtype) + rows)
+    assert packed.uses_int8(w)
+    x = torch.randn(rows, K) * torch.rand(rows, 1) * 4
+    x[-1, :32] = 0  # a block of zeros: its scale 0
+    y = linear(x, w).double()
+    xq8 = q8_0_rounded(x)
+    bound = 1e-5 * (xq8.abs() @ ref.abs().T) + 1e-30
+    assert torch.all((y - xq8 @ ref.T).abs() <= bound)
+
+
 def test_linear_takes_the_integer_kernels_and_can_be_told_not_to(monkeypatch):
     """packed.linear: K-quant matrices through the integer kernels (bf16 activations too, held column order);
     INT8_ACTIVATIONS = False gives the float32 product of the exact weights; a matrix with a type the integer
@@ -128,8 +146,8 @@ def test_linear_takes_the_integer_kernels_and_can_be_told_not_to(monkeypatch):
 
 
 def test_bad_calls_are_named():
-    w, _ = packed_matrix([(Q.Q4_0, 3)], 256, seed=1)
-    with pytest.raises(RuntimeError, match="type 2 has no integer kernel"):
+    w, _ = packed_matrix([(Q.IQ4_NL, 3)], 256, seed=1)
+    with pytest.raises(RuntimeError, match="type 20 has no integer kernel"):
         run(torch.randn(2, 256), w)
     w, _ = packed_matrix([(Q.Q4_K, 3)], 256, seed=1)
     with pytest.raises(RuntimeError, match="float32 \\[M, K\\]"):
@@ -142,6 +160,13 @@ def test_avx2_build_of_the_kernels():
     AVX2 build's qwen35 run parts from llama.cpp's greedy text at token 16 with a top-2 margin of 6.6e-2 std,
     past the bound that the AVX-512 build, llama.cpp's own arithmetic here, meets.)"""
     run_in_build(__file__, "x86-64-v3", "not avx2 and not llama_cpp")
+
+
+def test_build_without_vbmi():
+    """Cascade Lake's AVX-512 (VNNI, no VBMI: the Xeons this project has run on) opens the 32-weight blocks with
+    inserts where this CPU permutes bytes: the kernel tests of those types in that build."""
+    run_in_build(__file__, "cascadelake", "32_weight or q8_0_rows or mixed_types", needs="avx512vbmi",
+                 check="from deltaserve.ops import fused; assert fused.extension().q8_int8()")
 
 
 # -- whole models against llama.cpp, which runs the same arithmetic on the same files ---------------------

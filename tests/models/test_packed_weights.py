@@ -71,8 +71,8 @@ PANELS = [pytest.param(False, id="file-rows"), pytest.param(True, id="panels")]
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_rows_are_the_files_values(qtype, panels):
     """Rows as the file holds them, or (K-quants) 16 to a panel, the last 37 % 16 as they were."""
-    if panels and qtype not in packed.int8_types() - {Q.Q8_0}:
-        pytest.skip("only rows of types with integer kernels go into panels")
+    if panels and qtype not in packed.int8_types() & packed.PANEL_TYPES:
+        pytest.skip("only rows of K-quants and IQ4_XS with integer kernels go into panels")
     w, ref = packed_matrix([(qtype, 37)], row_width(qtype), seed=int(qtype), panels=panels)
     assert torch.equal(dequantize(w, torch.float32).double(), ref)  # the C++ decoders, bit for bit
     ids = torch.tensor([[36, 0, 5], [5, 17, 36]])
@@ -97,7 +97,7 @@ def test_mxfp4_every_exponent():
 def test_linear_matches_float64(qtype, out_rows, rows, monkeypatch):
     monkeypatch.setattr(packed, "_DEQUANT_BYTES", 1)
     K = row_width(qtype)
-    w, ref = packed_matrix([(qtype, out_rows)], K, seed=rows, panels=qtype in packed.int8_types() and packed.panels_here())
+    w, ref = packed_matrix([(qtype, out_rows)], K, seed=rows, panels=qtype in packed.int8_types() & packed.PANEL_TYPES and packed.panels_here())
     x = torch.randn(rows, K)
     bias = torch.randn(out_rows)
     y = linear(x.view(1, rows, K), w, bias)

@@ -72,9 +72,11 @@ constexpr bool kIQ4Int8 = true;
 constexpr bool kIQ4Int8 = false;
 #endif
 
-// Q8_0 rows beside the others (a MoE Q4_K_M file's attention inputs) take int8q8.h's kernels, built with VNNI
+// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (beside others: a MoE Q4_K_M file's attention inputs) take int8legacy.h's
+// kernels, built with VNNI
 inline bool int8_type(int64_t type) {
-  return type == Q4_K || type == Q5_K || type == Q6_K || (kIQ4Int8 && (type == IQ4_XS || type == Q8_0));
+  return type == Q4_K || type == Q5_K || type == Q6_K ||
+         (kIQ4Int8 && (type == IQ4_XS || type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1));
 }
 
 inline float half(const uint8_t* p) {

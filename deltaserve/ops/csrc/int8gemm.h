@@ -179,8 +179,8 @@ inline void open_row_panel(int64_t type, const uint8_t* panel, int64_t nb, int64
 }
 
 // y [M, N] = xq (quantize_rows of x [M, K]) @ W^T, threads over tiles of up to 16 weight rows of one segment (its
-// row panels, then its other rows 16 at a time), each opened into Panels once (a Q8_0 segment's: into a q8::Q8Tile,
-// multiplied by x rounded per 32, x8) and run over every group of activation rows.
+// row panels, then its other rows 16 at a time), each opened into Panels once (a segment of 32-weight blocks': into
+// a q8::Tile32, multiplied by x rounded per 32, x8) and run over every group of activation rows.
 inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* xq, const q8::Q8Acts& x8, int64_t M,
                         int64_t K, float* y) {
   const int64_t nb = K / 256, N = seg.rows;
@@ -197,13 +197,13 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t lo, int64_t hi) {
     std::vector<WBlock> scratch(nb);
     std::vector<Panel> panels(nb);
-    q8::Q8Tile q8tile;
+    q8::Tile32 tile32;
     for (int64_t t = lo; t < hi; ++t) {
       const Tile& tile = tiles[t];
-      if (seg.type(tile.s) == Q8_0) {
-        q8tile.open_blocks(seg.row(base, tile.s, tile.n0, K), K / 32 * q8::kQ8Block, tile.rows, K);
-        for (int64_t g = 0; g < M; g += q8::kQ8Rows)
-          q8::q8_tile_rows(std::min(q8::kQ8Rows, M - g), q8tile, x8, g, y + tile.n0, N, tile.rows);
+      if (q8::block32(seg.type(tile.s))) {
+        tile32.open(seg.type(tile.s), seg.row(base, tile.s, tile.n0, K), K / 32 * layout(seg.type(tile.s)).bytes,
+                    tile.rows, K);
+        tile32.run(x8, y + tile.n0, N, tile.rows);
         continue;
       }
       if (tile.panel)
@@ -255,11 +255,11 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
   if (xbuf.size() < static_cast<size_t>(M * nb)) xbuf.resize(M * nb);
   const XBlock* xq = xbuf.data();
   quantize_rows(x.data_ptr<float>(), M, K, xbuf.data());
-  static thread_local q8::Q8Acts decode_x8;  // x rounded per 32, where Q8_0 rows sit beside the others
+  static thread_local q8::Q8Acts decode_x8;  // x rounded per 32, for rows of 32-weight blocks
   q8::Q8Acts prefill_x8;
   q8::Q8Acts& x8 = M <= kRows ? decode_x8 : prefill_x8;
   for (int64_t s = 0; s < seg.S; ++s)
-    if (seg.type(s) == Q8_0) {
+    if (q8::block32(seg.type(s))) {
       x8.quantize(x.data_ptr<float>(), M, K);
       break;
     }

@@ -19,7 +19,7 @@
 #include <cstdint>
 
 #include "int8dot.h"
-#include "int8q8.h"
+#include "int8legacy.h"
 #include "panels.h"
 #include "shares.h"
 
@@ -422,7 +422,7 @@ inline PanelKernel panel_kernel(int64_t type, int64_t mb) {
 
 // y [M, N] = xq (quantize_rows of x [M, K], M <= kRows) @ W^T. Threads take contiguous runs of rows (a panel goes
 // to the thread whose run holds its first row); panels of 16 rows through the panel kernels, native rows through
-// the row kernels, Q8_0 rows through q8_block_row with x rounded per 32 (x8).
+// the row kernels, rows of 32-weight blocks (int8legacy.h) with x rounded per 32 (x8).
 inline void gemv_direct(const Segments& seg, const uint8_t* base, const XBlock* xq, const q8::Q8Acts& x8, int64_t M,
                         int64_t K, float* y) {
   const int64_t nb = K / 256, N = seg.rows;
@@ -440,11 +440,11 @@ inline void gemv_direct(const Segments& seg, const uint8_t* base, const XBlock* 
           for (int64_t m = 0; m < mb; ++m) std::memcpy(y + (m0 + m) * N + n, out + m * kPanel, kPanel * sizeof(float));
         }
       }
-      const RowKernel f = type == Q8_0 ? nullptr : row_kernel(type, M);
+      const RowKernel f = q8::block32(type) ? nullptr : row_kernel(type, M);
       for (int64_t n = std::max(lo, pend); n < end; ++n) {
         float sums[kRows];
         if (f) f(seg.row(base, s, n, K), nb, xq, sums);
-        else q8::q8_block_rows(M, seg.row(base, s, n, K), x8, sums);
+        else q8::rows32(type, M, seg.row(base, s, n, K), x8, sums);
         for (int64_t m = 0; m < M; ++m) y[m * N + n] = sums[m];
       }
     }

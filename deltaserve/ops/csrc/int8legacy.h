@@ -1,0 +1,204 @@
+// Q4_0, Q4_1, Q5_0 and Q5_1 weights (blocks of 32) by integer dot products with activations rounded per 32 to Q8_0,
+// the arithmetic llama.cpp runs on these files. Each block's codes open into int8, exact: q - 8 (Q4_0), q - 16
+// (Q5_0), q (the _1 types, whose offset m then adds m dx sum(qx) per block, from the rounded activations). Decode
+// reads a row's blocks straight into registers (legacy_row); prefill opens 16 rows at a time into a Q8Tile for
+// int8q8.h's GEMM. Q8_0 rows beside them are read where they lie.
+#pragma once
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "int8q8.h"
+#include "kquants.h"
+
+namespace deltaserve {
+namespace q8 {
+
+// the types of 32-weight blocks these kernels take (beside the K-quants in one packed matrix: kq::linear_int8)
+inline bool block32(int64_t type) {
+  return type == kq::Q8_0 || type == kq::Q4_0 || type == kq::Q4_1 || type == kq::Q5_0 || type == kq::Q5_1;
+}
+
+inline bool with_offsets(int64_t type) { return type == kq::Q4_1 || type == kq::Q5_1; }
+
+// A row of nb blocks: codes [32 nb] int8, d [nb] (the blocks' float16), m [nb] (the _1 types' offsets as float)
+template <bool ONE, bool FIVE>
+inline void open_row32(const uint8_t* row, int64_t nb, int8_t* codes, at::Half* d, float* m) {
+  constexpr int64_t bytes = 18 + (ONE ? 2 : 0) + (FIVE ? 4 : 0);
+  constexpr int bias = ONE ? 0 : (FIVE ? 16 : 8);
+  for (int64_t k = 0; k < nb; ++k) {
+    const uint8_t* b = row + k * bytes;
+    std::memcpy(d + k, b, 2);
+    if (ONE) m[k] = kq::f16(b + 2);
+    const uint8_t* qh = b + (ONE ? 4 : 2);  // Q5: bit j of this little-endian u32 is element j's fifth bit
+    const uint8_t* qs = qh + (FIVE ? 4 : 0);
+    uint32_t h = 0;
+    if (FIVE) std::memcpy(&h, qh, 4);
+    int8_t* c = codes + 32 * k;
+    for (int j = 0; j < 16; ++j) {
+      c[j] = static_cast<int8_t>(((qs[j] & 0xF) | ((h >> j) & 1) << 4) - bias);
+      c[j + 16] = static_cast<int8_t>(((qs[j] >> 4) | ((h >> (j + 16)) & 1) << 4) - bias);
+    }
+  }
+}
+
+inline void open_row32(int64_t type, const uint8_t* row, int64_t nb, int8_t* codes, at::Half* d, float* m) {
+  switch (type) {
+    case kq::Q4_0: return open_row32<false, false>(row, nb, codes, d, m);
+    case kq::Q4_1: return open_row32<true, false>(row, nb, codes, d, m);
+    case kq::Q5_0: return open_row32<false, true>(row, nb, codes, d, m);
+    case kq::Q5_1: return open_row32<true, true>(row, nb, codes, d, m);
+  }
+  TORCH_CHECK(false, "open_row32: GGML type ", type, " is not Q4_0, Q4_1, Q5_0 or Q5_1");
+}
+
+// sum_k m_k dx_k sum(qx of block k): a _1 row's offsets against activation row `row` of a
+inline float offsets(const float* m, const Q8Acts& a, int64_t row) {
+  float s = 0.f;
+  for (int64_t k = 0; k < a.nb; ++k) s += m[k] * (a.d[row * a.nb + k] * static_cast<float>(-a.start[row * a.nb + k] / 128));
+  return s;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The weights of one block pair (TWO) or of a lone last block at b0, 64 codes [lo0 hi0 lo1 hi1] unsigned (the Q5
+// fifth bits from a mask), and per lane its block's d and (the _1 types) m
+template <bool ONE, bool FIVE, bool TWO>
+inline void open_pair(const uint8_t* b0, __m512i& v, __m512& d, __m512& m) {
+  constexpr int64_t bytes = 18 + (ONE ? 2 : 0) + (FIVE ? 4 : 0), qh_at = ONE ? 4 : 2, qs_at = qh_at + (FIVE ? 4 : 0);
+  const uint8_t* b1 = b0 + bytes;
+#if defined(__AVX512VBMI__)
+  // both blocks in one masked load (nothing read past them), each qs to two 128-bit lanes by one vpermb (a vpermw
+  // of their d and m measured slower than scalar loads)
+  constexpr __mmask64 kBytes = (__mmask64{1} << ((TWO ? 2 : 1) * bytes)) - 1;
+  const __m512i both = _mm512_maskz_loadu_epi8(kBytes, b0);
+  alignas(64) static const auto index = [] {
+    std::array<uint8_t, 64> t{};
+    for (int i = 0; i < 64; ++i) t[i] = static_cast<uint8_t>((i < 32 ? qs_at : bytes + qs_at) + i % 16);
+    return t;
+  }();
+  const __m512i t = _mm512_permutexvar_epi8(_mm512_load_si512(index.data()), both);
+#else
+  const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + qs_at));
+  const __m128i q1 = TWO ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + qs_at)) : _mm_setzero_si128();
+  const __m512i t = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(q0), q0, 1), q1, 2), q1, 3);
+#endif
+  d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(kq::half(b0)), _mm512_set1_ps(TWO ? kq::half(b1) : 0.f));
+  if (ONE) m = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(kq::half(b0 + 2)), _mm512_set1_ps(TWO ? kq::half(b1 + 2) : 0.f));
+  v = _mm512_and_si512(_mm512_mask_blend_epi64(0xCC, t, _mm512_srli_epi16(t, 4)), _mm512_set1_epi8(0x0F));
+  if (FIVE) {
+    uint32_t h0, h1 = 0;
+    std::memcpy(&h0, b0 + qh_at, 4);
+    if (TWO) std::memcpy(&h1, b1 + qh_at, 4);
+    v = _mm512_or_si512(v, _mm512_maskz_set1_epi8(static_cast<__mmask64>(h0) | static_cast<__mmask64>(h1) << 32, 0x10));
+  }
+}
+
+// acc[m] += the block pair (or lone block) k of a row at b0 . activation row m's blocks k (, k + 1)
+template <int MB, bool ONE, bool FIVE, bool TWO>
+inline void legacy_pair(const uint8_t* b0, const Q8Acts& a, int64_t k, __m512* acc) {
+  constexpr int shift = FIVE ? 3 : 4;  // -128 sum / 2^shift = -bias sum for bias 16 (Q5_0) or 8 (Q4_0)
+  constexpr __mmask64 keep = TWO ? ~__mmask64{0} : 0xFFFFFFFFull;
+  constexpr __mmask16 lanes = TWO ? 0xFFFF : 0xFF;
+  __m512i v;
+  __m512 d, mw = _mm512_setzero_ps();
+  open_pair<ONE, FIVE, TWO>(b0, v, d, mw);
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) {
+    const int64_t at = m * a.nb + k;
+    const __m512i xv = _mm512_maskz_loadu_epi8(keep, a.q.data() + m * a.K + 32 * k);
+    const __m512i starts = _mm512_maskz_loadu_epi32(lanes, a.starts.data() + at * 8);  // -128 sum(qx) per lane
+    const __m512 dx = _mm512_maskz_loadu_ps(lanes, a.dl.data() + at * 8);
+    if (ONE) {
+      const __m512 sum = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v, xv));
+      const __m512 xsum = _mm512_mul_ps(_mm512_cvtepi32_ps(starts), _mm512_set1_ps(-1.f / 128));
+      acc[m] = _mm512_fmadd_ps(_mm512_fmadd_ps(sum, d, _mm512_mul_ps(xsum, mw)), dx, acc[m]);
+    } else {
+      const __m512i sum = _mm512_dpbusd_epi32(_mm512_srai_epi32(starts, shift), v, xv);
+      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), dx), d, acc[m]);
+    }
+  }
+}
+
+// out[m] = row . activation row m of a (m < MB) for a row of Q4_0 / Q4_1 / Q5_0 / Q5_1, two blocks a vpdpbusd
+// (q8_block_row's lanes): bias x sum(qx) taken off through the lanes' starts (-128 sum(qx) per 4, shifted: exact),
+// or the _1 types' m dx sum(qx) added per lane in float
+template <int MB, bool ONE, bool FIVE>
+inline void legacy_row(const uint8_t* row, const Q8Acts& a, float* out) {
+  constexpr int64_t bytes = 18 + (ONE ? 2 : 0) + (FIVE ? 4 : 0);
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 1 < a.nb; k += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + bytes * k) + kGemvPrefetch, _MM_HINT_T0);
+    legacy_pair<MB, ONE, FIVE, true>(row + bytes * k, a, k, acc);
+  }
+  if (k < a.nb) legacy_pair<MB, ONE, FIVE, false>(row + bytes * k, a, k, acc);
+  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+template <bool ONE, bool FIVE>
+inline void legacy_rows(int64_t M, const uint8_t* row, const Q8Acts& a, float* out) {
+  switch (M) {
+    case 1: return legacy_row<1, ONE, FIVE>(row, a, out);
+    case 2: return legacy_row<2, ONE, FIVE>(row, a, out);
+    case 3: return legacy_row<3, ONE, FIVE>(row, a, out);
+    case 4: return legacy_row<4, ONE, FIVE>(row, a, out);
+    case 5: return legacy_row<5, ONE, FIVE>(row, a, out);
+    case 6: return legacy_row<6, ONE, FIVE>(row, a, out);
+    case 7: return legacy_row<7, ONE, FIVE>(row, a, out);
+    default: return legacy_row<8, ONE, FIVE>(row, a, out);
+  }
+}
+
+// out[m] = row . activation row m of a (m < M <= kQ8Rows) for a row of one of the block32 types
+inline void rows32(int64_t type, int64_t M, const uint8_t* row, const Q8Acts& a, float* out) {
+  switch (type) {
+    case kq::Q8_0: return q8_block_rows(M, row, a, out);
+    case kq::Q4_0: return legacy_rows<false, false>(M, row, a, out);
+    case kq::Q4_1: return legacy_rows<true, false>(M, row, a, out);
+    case kq::Q5_0: return legacy_rows<false, true>(M, row, a, out);
+    case kq::Q5_1: return legacy_rows<true, true>(M, row, a, out);
+  }
+  TORCH_CHECK(false, "rows32: GGML type ", type, " is not of 32-weight blocks");
+}
+
+// up to 16 rows of one of the block32 types, opened for the GEMM
+struct Tile32 {
+  Q8Tile tile;
+  std::vector<int8_t> codes;
+  std::vector<at::Half> d;
+  std::vector<float> m;
+  bool offsets_ = false;
+
+  // `rows` rows from `first`, row_bytes apart
+  void open(int64_t type, const uint8_t* first, int64_t row_bytes, int64_t rows, int64_t K) {
+    offsets_ = with_offsets(type);
+    if (type == kq::Q8_0) return tile.open_blocks(first, row_bytes, rows, K);
+    const int64_t nb = K / 32;
+    codes.resize(16 * K), d.resize(16 * nb), m.resize(16 * nb);
+    for (int64_t r = 0; r < rows; ++r)
+      open_row32(type, first + r * row_bytes, nb, codes.data() + r * K, d.data() + r * nb, m.data() + r * nb);
+    tile.open(codes.data(), d.data(), rows, K);
+  }
+
+  // y[r][0 .. rows) (stride ldy) for every activation row r of a
+  void run(const Q8Acts& a, float* y, int64_t ldy, int64_t rows) const {
+    for (int64_t g = 0; g < a.M; g += kQ8Rows) q8_tile_rows(std::min(kQ8Rows, a.M - g), tile, a, g, y, ldy, rows);
+    if (offsets_)
+      for (int64_t r = 0; r < a.M; ++r)
+        for (int64_t n = 0; n < rows; ++n) y[r * ldy + n] += offsets(m.data() + n * a.nb, a, r);
+  }
+};
+#else
+// (kq::int8_type takes these types only where the kernels above are built)
+inline void rows32(int64_t, int64_t, const uint8_t*, const Q8Acts&, float*) {
+  TORCH_CHECK(false, "integer kernels of 32-weight blocks need AVX-512 VNNI");
+}
+#endif
+
+}  // namespace q8
+}  // namespace deltaserve
