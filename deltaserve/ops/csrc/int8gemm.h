@@ -235,8 +235,8 @@ inline std::string int8_isa() {
 #endif
 }
 
-// y [M, N] = x [M, K] (float32, rounded to Q8_K here) @ W^T, W packed K-quant blocks (segment table as for
-// linear_packed). Prefill on AVX-512 VNNI: the panels above. Otherwise threads split the output columns into
+// y [M, N] = x [M, K] (float32, rounded here to Q8_K for K-quant / IQ4_XS rows, to Q8_0 for rows of 32-weight blocks)
+// @ W^T, W packed blocks (segment table as for linear_packed). Prefill on AVX-512 VNNI: the panels above. Otherwise threads split the output columns into
 // tiles of weight rows (one for decode, opened into L1 and used at once; 16 above, opened into a per-thread
 // buffer that stays in L2) multiplied by every group of rows of x.
 inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor table, torch::Tensor y) {
@@ -246,23 +246,22 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
   const Segments seg(table, K, bytes.numel());
   const int64_t N = seg.rows;
   TORCH_CHECK(y.dtype() == torch::kFloat32 && y.is_contiguous() && y.size(0) == M && y.size(1) == N, "y must be float32 [M, N]");
-  for (int64_t s = 0; s < seg.S; ++s)
+  bool per32 = false, per256 = false;  // which roundings of x the segments read
+  for (int64_t s = 0; s < seg.S; ++s) {
     TORCH_CHECK(int8_type(seg.type(s)), "linear_int8: GGML type ", seg.type(s), " has no integer kernel");
-  // decode (a step makes ~70 of these calls) reuses its thread's buffer; a prefill's is its own, freed after
+    (q8::block32(seg.type(s)) ? per32 : per256) = true;
+  }
+  // decode (a step makes ~70 of these calls) reuses its thread's buffers; a prefill's are its own, freed after
   static thread_local std::vector<XBlock> decode_buf;
   std::vector<XBlock> prefill_buf;
   std::vector<XBlock>& xbuf = M <= kRows ? decode_buf : prefill_buf;
   if (xbuf.size() < static_cast<size_t>(M * nb)) xbuf.resize(M * nb);
   const XBlock* xq = xbuf.data();
-  quantize_rows(x.data_ptr<float>(), M, K, xbuf.data());
+  if (per256) quantize_rows(x.data_ptr<float>(), M, K, xbuf.data());
   static thread_local q8::Q8Acts decode_x8;  // x rounded per 32, for rows of 32-weight blocks
   q8::Q8Acts prefill_x8;
   q8::Q8Acts& x8 = M <= kRows ? decode_x8 : prefill_x8;
-  for (int64_t s = 0; s < seg.S; ++s)
-    if (q8::block32(seg.type(s))) {
-      x8.quantize(x.data_ptr<float>(), M, K);
-      break;
-    }
+  if (per32) x8.quantize(x.data_ptr<float>(), M, K);
   const uint8_t* base = bytes.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   if (kPanelGemm && M > kRows) return gemm_panels(seg, base, xq, x8, M, K, yp);
