@@ -219,7 +219,8 @@ inline void row_tile(const typename I::XT* x, int64_t ldx, const uint16_t* w, in
   for (int m = 0; m < RM; ++m) a0[m] = a1[m] = I::zero();
   int64_t k = 0;
   for (; k + 2 * I::kStep <= K; k += 2 * I::kStep) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + k) + kGemvPrefetch, _MM_HINT_T0);
+    const char* ahead = reinterpret_cast<const char*>(w + k) + kF16Prefetch;
+    for (int64_t b = 0; b < 2 * I::kStep * 2; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
     const typename I::W w0 = I::load_w(w + k), w1 = I::load_w(w + k + I::kStep);
     for (int m = 0; m < RM; ++m) {
       a0[m] = I::madd(a0[m], I::load_x(x + m * ldx + k), w0);
