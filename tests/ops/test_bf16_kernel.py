@@ -41,7 +41,7 @@ def assert_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, round: boo
 
 
 @pytest.mark.parametrize("round", [True, False], ids=["rounded", "float32-activations"])
-@pytest.mark.parametrize("K", [80, 1024])
+@pytest.mark.parametrize("K", [80, 1024, 1031])  # 1031: two blocks of the prefill panels, the last pair half empty
 @pytest.mark.parametrize("N", [33, 1000])
 @pytest.mark.parametrize("M", [1, 3, 17, 63, 257])  # decode (<= 16 rows) and prefill, with edge tiles
 def test_matches_float64_product(M, N, K, round):
@@ -51,20 +51,21 @@ def test_matches_float64_product(M, N, K, round):
     assert_product(run(x, w, round), x, w, round)
 
 
+@pytest.mark.parametrize("M", [1, 20], ids=["decode", "prefill"])
 @pytest.mark.parametrize("round", [True, False], ids=["rounded", "float32-activations"])
-def test_rounds_activations_to_nearest_even(round):
+def test_rounds_activations_to_nearest_even(round, M):
     """Hand-computed roundings through one-hot weight rows (y[m, n] = x[m, n] as the kernel reads it): ties go to the
     even neighbour, in the vector body (k < 64) and the scalar tail (k >= 64) alike; unrounded where not asked."""
     K = 80
-    x = torch.ones(1, K)
+    x = torch.ones(M, K)
     cases = {0: (1 + 2 ** -8, 1.0), 1: (1 + 3 * 2 ** -8, 1 + 2 ** -6), 2: (1 + 2 ** -8 + 2 ** -20, 1 + 2 ** -7),
              70: (1 + 2 ** -8, 1.0), 71: (-(1 + 3 * 2 ** -8), -(1 + 2 ** -6)), 72: (3.0, 3.0)}
     for k, (value, _) in cases.items():
-        x[0, k] = value
+        x[:, k] = value
     w = torch.zeros(len(cases), K, dtype=torch.bfloat16)
     for n, k in enumerate(cases):
         w[n, k] = 1.0
-    y = run(x, w, round)[0].tolist()
+    y = run(x, w, round)[-1].tolist()
     rounds = round and fused.extension().bf16_rounds_activations()
     for n, (k, (value, rounded)) in enumerate(cases.items()):
         assert y[n] == (rounded if rounds else torch.tensor(value).item()), (k, value, y[n])

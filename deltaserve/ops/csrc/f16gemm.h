@@ -1,25 +1,21 @@
 // The prefill GEMM of float16 weights: y [M, N] = x [M, K] (float32) @ W [N, K]^T with W float16 as the file stores
 // it, accumulated in float32 (the activations are never rounded: the result is a float32 GEMM on the exact weights).
-// W is widened (vcvtph2ps) a block at a time into a float32 panel of kKC x kNC, laid [column tile][k][kNR] so that
-// one vector load gives kNR columns at one k; the panel stays in L2 and every row of x passes over it. x is laid out
-// once per call in row tiles [tile][k][kMR], so that a tile's block of kKC columns is one contiguous run that stays
-// in L1 (rows of x K floats apart alias the same L1 sets). The micro-kernel keeps a kMR x kNR block of y in
-// registers and per k multiplies kNR / lanes vectors of W by kMR broadcast values of x. Threads take (column block,
-// row range) units in turn from a counter: each owns disjoint outputs, and a thread slowed by another job on a
-// shared machine takes fewer units instead of holding the call up.
+// Its format for panel_gemm.h: W is widened (vcvtph2ps) a block at a time into a float32 panel of kKC x kNC, laid
+// [column tile][k][kNR] so that one vector load gives kNR columns at one k; x is laid out once per call in row tiles
+// [tile][k][kMR] (rows of x K floats apart would alias the same L1 sets). The micro-kernel keeps a kMR x kNR block of
+// y in registers and per k multiplies kNR / lanes vectors of W by kMR broadcast values of x.
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <vector>
 
-#include "shares.h"
+#include "panel_gemm.h"
 
 namespace deltaserve {
 namespace f16 {
@@ -54,30 +50,6 @@ inline void pack_x(const float* x, int64_t M, int64_t K, float* xp) {
 }
 
 #if defined(__AVX512F__)
-// r[i][j] -> r[j][i] for a 16 x 16 block: pairs of rows interleaved, then quads, then 128-bit lanes twice
-inline void transpose16(__m512 r[16]) {
-  __m512 t[16], s[16];
-  for (int p = 0; p < 8; ++p) {
-    t[2 * p] = _mm512_unpacklo_ps(r[2 * p], r[2 * p + 1]);
-    t[2 * p + 1] = _mm512_unpackhi_ps(r[2 * p], r[2 * p + 1]);
-  }
-  for (int q = 0; q < 4; ++q) {  // s[4c + q]: in each lane L, rows 4q .. 4q + 3 at column 4L + c
-    s[q] = _mm512_shuffle_ps(t[4 * q], t[4 * q + 2], 0x44);
-    s[4 + q] = _mm512_shuffle_ps(t[4 * q], t[4 * q + 2], 0xEE);
-    s[8 + q] = _mm512_shuffle_ps(t[4 * q + 1], t[4 * q + 3], 0x44);
-    s[12 + q] = _mm512_shuffle_ps(t[4 * q + 1], t[4 * q + 3], 0xEE);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512* sc = s + 4 * c;
-    const __m512 x0 = _mm512_shuffle_f32x4(sc[0], sc[1], 0x88), x1 = _mm512_shuffle_f32x4(sc[0], sc[1], 0xDD);
-    const __m512 x2 = _mm512_shuffle_f32x4(sc[2], sc[3], 0x88), x3 = _mm512_shuffle_f32x4(sc[2], sc[3], 0xDD);
-    r[c] = _mm512_shuffle_f32x4(x0, x2, 0x88);
-    r[4 + c] = _mm512_shuffle_f32x4(x1, x3, 0x88);
-    r[8 + c] = _mm512_shuffle_f32x4(x0, x2, 0xDD);
-    r[12 + c] = _mm512_shuffle_f32x4(x1, x3, 0xDD);
-  }
-}
-
 // 16 float16 of a row widened; a short tail (k < 16) through a zeroed copy
 inline __m512 widen16(const uint16_t* w, int64_t k) {
   if (k == 16) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
@@ -173,40 +145,28 @@ inline void tile_rows(std::integer_sequence<int, R...>, int64_t rows, const floa
   ((rows == R + 1 ? tile<R + 1>(xp, bp, kc, y, ldy, cols, add) : void()), ...);
 }
 
-// One unit: columns n0 .. n0 + nc of y for row tiles t0 .. t1, k in blocks of kKC (the panel widened once per block)
-inline void gemm_unit(const float* xp, const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
-                      int64_t nc, int64_t t0, int64_t t1, float* bp) {
-  for (int64_t k0 = 0; k0 < K; k0 += kKC) {
-    const int64_t kc = std::min(kKC, K - k0);
-    pack_w(w, K, n0, nc, k0, kc, bp);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t rows = std::min<int64_t>(kMR, M - t * kMR);
-      for (int64_t j = 0; j < nc; j += kNR)
-        tile_rows(std::make_integer_sequence<int, kMR>{}, rows, xp + t * kMR * K + k0 * kMR, bp + j * kc, kc,
-                  y + t * kMR * N + n0 + j, N, std::min<int64_t>(kNR, nc - j), k0 > 0);
-    }
+// the format panel_gemm.h runs: float32 x in row tiles [tile][k][kMR], W widened into [column tile][k][kNR]
+struct Format {
+  using X = float;
+  using P = float;
+  static constexpr int64_t kMR = f16::kMR, kNR = f16::kNR, kKC = f16::kKC, kNC = f16::kNC;
+  static int64_t x_at(int64_t t, int64_t K, int64_t k0) { return t * kMR * K + k0 * kMR; }
+  static int64_t panel_at(int64_t j, int64_t kc) { return j * kc; }
+  static int64_t panel_size() { return kKC * kNC; }
+  static void pack_w(const uint16_t* w, int64_t K, int64_t n0, int64_t nc, int64_t k0, int64_t kc, float* bp) {
+    f16::pack_w(w, K, n0, nc, k0, kc, bp);
   }
-}
+  static void tile(int64_t rows, const float* xp, const float* bp, int64_t kc, float* y, int64_t ldy, int64_t cols,
+                   bool add) {
+    tile_rows(std::make_integer_sequence<int, kMR>{}, rows, xp, bp, kc, y, ldy, cols, add);
+  }
+};
 
 // y [M, N] = x [M, K] @ W [N, K]^T on raw pointers (M, N, K >= 1)
 inline void gemm(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K) {
-  const int64_t tiles = (M + kMR - 1) / kMR, blocks = (N + kNC - 1) / kNC;
-  std::unique_ptr<float[]> xp(new float[tiles * kMR * K]);  // uninitialised: pack_x writes every value read
+  std::unique_ptr<float[]> xp(new float[(M + kMR - 1) / kMR * kMR * K]);  // uninitialised: pack_x writes every value read
   pack_x(x, M, K, xp.get());
-  const int64_t threads = at::get_num_threads();
-  // few column blocks (a narrow W): their rows are split too, so that every thread has units to take
-  const int64_t split = std::min(tiles, std::max<int64_t>(1, (4 * threads + blocks - 1) / blocks));
-  const int64_t units = blocks * split;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    static thread_local std::vector<float> panel(kKC * kNC);
-    for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
-      const int64_t b = u / split, s = u % split, n0 = b * kNC, nc = std::min(kNC, N - n0);
-      const int64_t t0 = tiles * s / split, t1 = tiles * (s + 1) / split;
-      const UnitClock clock(nc * (std::min(M, t1 * kMR) - t0 * kMR));
-      gemm_unit(xp.get(), w, y, M, N, K, n0, nc, t0, t1, panel.data());
-    }
-  });
+  panel_gemm<Format>(xp.get(), w, y, M, N, K);
 }
 
 inline void check_args(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& y) {
