@@ -48,9 +48,12 @@ inline void open_panels(const Segments& seg, const uint8_t* base, int64_t n0, in
   }
 }
 
-// y[m][0 .. 16) (stride ldy, `rows` lanes stored) = the panel's rows . activation rows m < MB (x: [nb][MB])
-template <int MB>
+// y[m][0 .. 16) (stride ldy, `rows` lanes stored) = the panel's rows . activation rows m < MB (x: [nb][MB]). G: codes
+// per scale, 16, or 32 where the type's scales are per 32 (Q4_K, Q5_K, IQ4_XS: sc[2i] = sc[2i + 1]), which halves the
+// multiplies and adds by scales; integer sums, so either G gives the same bits.
+template <int MB, int G>
 inline void panel_rows(const Panel* p, const XBlock* x, int64_t nb, float* y, int64_t ldy, int64_t rows) {
+  constexpr int kChunks = G / 4;  // vpdpbusd steps (4 codes a lane) per scale
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -59,16 +62,16 @@ inline void panel_rows(const Panel* p, const XBlock* x, int64_t nb, float* y, in
     __m512i blk[MB];
     for (int m = 0; m < MB; ++m) blk[m] = _mm512_setzero_si512();
 #pragma GCC unroll 1
-    for (int i = 0; i < 16; ++i) {  // a group of 16 codes: one scale per row
+    for (int i = 0; i < 256 / G; ++i) {  // a group of G codes: one scale per row
       __m512i sub[MB];
       for (int m = 0; m < MB; ++m) sub[m] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) {
-        const __m512i codes = _mm512_load_si512(pb.q[4 * i + c]);
 #pragma GCC unroll 8
-        for (int m = 0; m < MB; ++m) sub[m] = dot4(sub[m], codes, xb[m].q + 4 * (4 * i + c));
+      for (int c = 0; c < kChunks; ++c) {
+        const __m512i codes = _mm512_load_si512(pb.q[kChunks * i + c]);
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m) sub[m] = dot4(sub[m], codes, xb[m].q + 4 * (kChunks * i + c));
       }
-      const __m512i sc = _mm512_load_si512(pb.sc[i]);
+      const __m512i sc = _mm512_load_si512(pb.sc[i * G / 16]);
 #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m) blk[m] = _mm512_add_epi32(blk[m], _mm512_mullo_epi32(sub[m], sc));
     }
@@ -90,17 +93,12 @@ inline void panel_rows(const Panel* p, const XBlock* x, int64_t nb, float* y, in
   for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(y + m * ldy, keep, acc[m]);
 }
 
+template <int G>
 inline void panel_group(int64_t mb, const Panel* p, const XBlock* x, int64_t nb, float* y, int64_t ldy, int64_t rows) {
-  switch (mb) {
-    case 1: return panel_rows<1>(p, x, nb, y, ldy, rows);
-    case 2: return panel_rows<2>(p, x, nb, y, ldy, rows);
-    case 3: return panel_rows<3>(p, x, nb, y, ldy, rows);
-    case 4: return panel_rows<4>(p, x, nb, y, ldy, rows);
-    case 5: return panel_rows<5>(p, x, nb, y, ldy, rows);
-    case 6: return panel_rows<6>(p, x, nb, y, ldy, rows);
-    case 7: return panel_rows<7>(p, x, nb, y, ldy, rows);
-    default: return panel_rows<8>(p, x, nb, y, ldy, rows);
-  }
+  using Fn = void (*)(const Panel*, const XBlock*, int64_t, float*, int64_t, int64_t);
+  static constexpr Fn by_rows[8] = {panel_rows<1, G>, panel_rows<2, G>, panel_rows<3, G>, panel_rows<4, G>,
+                                    panel_rows<5, G>, panel_rows<6, G>, panel_rows<7, G>, panel_rows<8, G>};
+  by_rows[std::min<int64_t>(mb, 8) - 1](p, x, nb, y, ldy, rows);
 }
 
 // The Panel of one block of a row panel (panels.h): codes unpacked into element order, scales and offsets of the
@@ -210,8 +208,10 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
         for (int64_t b = 0; b < nb; ++b) open_row_panel(seg.type(tile.s), seg.row(base, tile.s, tile.n0, K), nb, b, panels[b]);
       else
         open_panels(seg, base, tile.n0, tile.rows, K, scratch.data(), panels.data());
+      const bool per32 = seg.type(tile.s) != Q6_K;  // (Q6_K's scales are per 16)
       for (int64_t g = 0; g < M; g += kRows)
-        panel_group(std::min<int64_t>(kRows, M - g), panels.data(), xq + g * nb, nb, y + g * N + tile.n0, N, tile.rows);
+        (per32 ? panel_group<32> : panel_group<16>)(std::min<int64_t>(kRows, M - g), panels.data(), xq + g * nb, nb,
+                                                    y + g * N + tile.n0, N, tile.rows);
     }
   });
 }
