@@ -75,7 +75,7 @@ constexpr bool kIQ4Int8 = false;
 // Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (beside others: a MoE Q4_K_M file's attention inputs) take int8legacy.h's
 // kernels, built with VNNI
 inline bool int8_type(int64_t type) {
-  return type == Q4_K || type == Q5_K || type == Q6_K ||
+  return type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K ||
          (kIQ4Int8 && (type == IQ4_XS || type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1));
 }
 
@@ -245,12 +245,45 @@ inline void open_iq4_xs(const uint8_t* b, WBlock& w) {
   w.d = w.o = half(b);
 }
 
+// Q2_K: scales[16] (4-bit scale | 4-bit min) | qs[64] | d | dmin: y = d scale q - dmin min, q = 2 bits (element
+// 32j + l of a 128-element half: bits 2j of byte l)
+inline void open_q2_k(const uint8_t* b, WBlock& w) {
+  for (int i = 0; i < 16; ++i) {
+    w.sc[i] = static_cast<int16_t>(b[i] & 0xF);
+    w.off[i] = static_cast<int16_t>(b[i] >> 4);
+  }
+  for (int n = 0; n < 2; ++n)
+    for (int j = 0; j < 4; ++j)
+      for (int l = 0; l < 32; ++l) w.q[128 * n + 32 * j + l] = (b[16 + 32 * n + l] >> (2 * j)) & 3;
+  w.d = half(b + 80);
+  w.o = half(b + 82);
+}
+
+// Q3_K: hmask[32] | qs[64] | scales[12] | d: y = d (scale - 32) (q - 4 where the element's hmask bit is clear), q
+// the low 2 bits as in Q2_K, the third bit of element 32g + l bit g of hmask byte l; codes kept as q + 4 hbit
+// (0..7), offset 4 (scale - 32). Six-bit scales: low nibbles in bytes 0..7 (scales 0..7 low, 8..15 high), the top 2
+// bits of scale i bits 2 (i / 4) of byte 8 + i % 4.
+inline void open_q3_k(const uint8_t* b, WBlock& w) {
+  const uint8_t* s = b + 96;
+  for (int i = 0; i < 16; ++i) {
+    const int low = (s[i % 8] >> (4 * (i / 8))) & 0xF, top = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
+    w.sc[i] = static_cast<int16_t>((low | top << 4) - 32);
+    w.off[i] = static_cast<int16_t>(4 * w.sc[i]);
+  }
+  for (int g = 0; g < 8; ++g)
+    for (int l = 0; l < 32; ++l)
+      w.q[32 * g + l] = static_cast<uint8_t>(((b[32 + 32 * (g / 4) + l] >> (2 * (g % 4))) & 3) | (((b[l] >> g) & 1) << 2));
+  w.d = w.o = half(b + 108);
+}
+
 inline void open_block(int64_t type, const uint8_t* b, WBlock& w) {
   switch (type) {
     case Q4_K: return open_k4(b, b + 16, nullptr, w);
     case Q5_K: return open_k4(b, b + 48, b + 16, w);
     case Q6_K: return open_q6_k(b, w);
     case IQ4_XS: return open_iq4_xs(b, w);
+    case Q2_K: return open_q2_k(b, w);
+    case Q3_K: return open_q3_k(b, w);
   }
   layout(type);  // throws, naming the type
 }

@@ -208,7 +208,8 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
         for (int64_t b = 0; b < nb; ++b) open_row_panel(seg.type(tile.s), seg.row(base, tile.s, tile.n0, K), nb, b, panels[b]);
       else
         open_panels(seg, base, tile.n0, tile.rows, K, scratch.data(), panels.data());
-      const bool per32 = seg.type(tile.s) != Q6_K;  // (Q6_K's scales are per 16)
+      const int64_t type = seg.type(tile.s);
+      const bool per32 = type == Q4_K || type == Q5_K || type == IQ4_XS;  // (Q2_K, Q3_K, Q6_K: scales per 16)
       for (int64_t g = 0; g < M; g += kRows)
         (per32 ? panel_group<32> : panel_group<16>)(std::min<int64_t>(kRows, M - g), panels.data(), xq + g * nb, nb,
                                                     y + g * N + tile.n0, N, tile.rows);

@@ -55,7 +55,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rows per panel the integer kernels read K-quant matrices in (0: rows as the file holds them)");
   m.def("int8_types", [] {
           std::vector<int64_t> out;
-          for (int64_t t : {2, 3, 6, 7, 8, 12, 13, 14, 20, 23})
+          for (int64_t t : {2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23})
             if (deltaserve::kq::int8_type(t)) out.push_back(t);
           return out;
         }, "the GGML types linear_int8 takes in this build");
