@@ -252,9 +252,16 @@ inline void open_q2_k(const uint8_t* b, WBlock& w) {
     w.sc[i] = static_cast<int16_t>(b[i] & 0xF);
     w.off[i] = static_cast<int16_t>(b[i] >> 4);
   }
-  for (int n = 0; n < 2; ++n)
+  for (int n = 0; n < 2; ++n) {
+#if defined(__AVX2__)
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * n)), m3 = _mm256_set1_epi8(3);
+    for (int j = 0; j < 4; ++j)  // (16-bit shifts: the mask keeps each byte's own bits)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(w.q + 128 * n + 32 * j), _mm256_and_si256(_mm256_srli_epi16(v, 2 * j), m3));
+#else
     for (int j = 0; j < 4; ++j)
       for (int l = 0; l < 32; ++l) w.q[128 * n + 32 * j + l] = (b[16 + 32 * n + l] >> (2 * j)) & 3;
+#endif
+  }
   w.d = half(b + 80);
   w.o = half(b + 82);
 }
@@ -270,9 +277,21 @@ inline void open_q3_k(const uint8_t* b, WBlock& w) {
     w.sc[i] = static_cast<int16_t>((low | top << 4) - 32);
     w.off[i] = static_cast<int16_t>(4 * w.sc[i]);
   }
+#if defined(__AVX2__)
+  const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), m3 = _mm256_set1_epi8(3),
+                bit2 = _mm256_set1_epi8(4);
+  for (int g = 0; g < 8; ++g) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 + 32 * (g / 4)));
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(v, 2 * (g % 4)), m3);
+    // bit g of each hmask byte moved to bit 2: left for g < 2, right above (16-bit shifts, masked per byte)
+    const __m256i h = g < 2 ? _mm256_slli_epi16(hm, 2 - g) : _mm256_srli_epi16(hm, g - 2);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(w.q + 32 * g), _mm256_or_si256(low, _mm256_and_si256(h, bit2)));
+  }
+#else
   for (int g = 0; g < 8; ++g)
     for (int l = 0; l < 32; ++l)
       w.q[32 * g + l] = static_cast<uint8_t>(((b[32 + 32 * (g / 4) + l] >> (2 * (g % 4))) & 3) | (((b[l] >> g) & 1) << 2));
+#endif
   w.d = w.o = half(b + 108);
 }
 
