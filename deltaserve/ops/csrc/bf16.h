@@ -6,13 +6,15 @@
 // registers (a bfloat16 is a float32's upper half: a 16-bit shift) and multiply with FMAs: AVX-512, AVX2, or
 // portable C++. The build's macros choose the instructions, as in the other headers.
 //
-// Both products work on tiles of RM activation rows x RN weight rows, each output a dot product along K kept in
-// one vector accumulator (lanes = consecutive k), summed across lanes at the tile's end: no weight is rearranged,
-// so the same matrix serves embedding lookups, sharding and the tied output head as it lies.
+// The weights are never rearranged where they are held, so the same matrix serves embedding lookups, sharding and
+// the tied output head as it lies.
 //   decode (M <= kGemvRows): threads split the weight rows; each row is read from memory once, as one prefetched
-//     stream, and multiplied by every activation row while it is in L1;
-//   prefill: threads split blocks of kBlockRows weight rows (kept in L2), each multiplied by all activation
-//     rows, 4 x 4 tiles (16 accumulators, 8 loads a step).
+//     stream, and multiplied by every activation row while it is in L1, each output a dot product along K kept in
+//     one vector accumulator (lanes = consecutive k) and summed across lanes at the end;
+//   prefill, rounded activations: panel_gemm.h's driver with PairFormat below (W's blocks rearranged into pairs in
+//     L2 per call, 6 x 64 register tiles, no sums across lanes);
+//   prefill, float32 activations: threads split blocks of kBlockRows weight rows (kept in L2), each multiplied by
+//     all activation rows in 4 x 4 tiles of such dot products (16 accumulators, 8 loads a step).
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -265,9 +267,7 @@ inline const uint16_t* rounded(const float* x, int64_t n, torch::Tensor& held) {
   });
   return out;
 }
-#endif
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // The prefill GEMM of rounded activations, as panel_gemm.h's format: vdpbf16ps multiplies a pair of consecutive k, so
 // x is rounded and laid out in row tiles of pairs [tile][Kp / 2][kMR][2] and W's blocks in panels of pairs
 // [column tile][kc / 2][kNR][2] (Kp, kc rounded up to even, the missing value 0): one load gives kNR / 4 columns'
