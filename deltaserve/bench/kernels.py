@@ -3,7 +3,8 @@
     python -m deltaserve.bench.kernels [--threads N] [--json out.json]
     deltaserve bench kernels
 
-Peaks (ops/csrc/probe.h): float32 FMAs, int8 and bf16 dot products with 12 independent chains a thread, memory reads
+Peaks (ops/csrc/probe.h): float32 FMAs, int8 and bf16 dot products with 12 independent chains a thread (and AMX
+tiles' tdpbf16ps where this CPU runs them: four independent tile sums a thread), memory reads
 of a buffer 4x the L3 in 2 MB pages (as a model's weights). Kernels, per weight format, at a 0.8B model's shapes:
 the decode GEMV (one row of activations, weights streamed from memory: GB/s against the read peak) and the
 prefill GEMM (256 rows: GOP/s against the int8 or FMA peak); the float16 GEMM (256 and 512 rows: GFLOP/s against
@@ -74,7 +75,7 @@ def peaks() -> dict:
     ext = fused.extension()
     buf = weight_empty((128 << 20,), torch.uint8).fill_(1)  # 4x a 32 MB L3, in 2 MB pages as the weights are
     return {"fma_gflops": ext.probe_fma(20_000, 200) / 1e9, "int8_gops": ext.probe_int8(20_000, 200) / 1e9,
-            "bf16_gflops": ext.probe_bf16(20_000, 200) / 1e9,
+            "bf16_gflops": ext.probe_bf16(20_000, 200) / 1e9, "amx_bf16_gflops": ext.probe_amx_bf16(5_000, 50) / 1e9,
             "read_gbps": ext.probe_read(buf, 4 * 128 // torch.get_num_threads()) / 1e9}
 
 
@@ -162,9 +163,14 @@ def _bf16_rates(ext, M: int, N: int) -> list[dict]:
     shares = _thread_rate([lambda w=w: ext.linear_bf16_shares(x, w, y, True) for w in mats * 3], 2 * _HIDDEN)
     out = [_decode_row("linear_bf16 decode", "BF16", t, mats[0].nbytes, shares)]
     w, xs, ys = matrix(N, 0), torch.randn(M, _HIDDEN), torch.empty(M, N)
-    t = _best(lambda: ext.linear_bf16(xs, w, ys, True))
-    out.append(dict(kernel="linear_bf16 prefill", format="BF16", shape=f"{M}x{N}x{_HIDDEN}", seconds=t,
-                    rate=2 * M * N * _HIDDEN / t / 1e9, unit="GFLOP/s", peak="bf16_gflops"))
+    amx = ext.amx_enabled()
+    for tiles in ([True, False] if amx else [False]):  # where AMX runs, the AVX-512 path beside it
+        ext.set_amx(tiles)
+        t = _best(lambda: ext.linear_bf16(xs, w, ys, True))
+        out.append(dict(kernel="linear_bf16 prefill" + (" AMX" if tiles else ""), format="BF16",
+                        shape=f"{M}x{N}x{_HIDDEN}", seconds=t, rate=2 * M * N * _HIDDEN / t / 1e9, unit="GFLOP/s",
+                        peak="amx_bf16_gflops" if tiles else "bf16_gflops"))
+    ext.set_amx(amx)
     return out
 
 
@@ -198,7 +204,9 @@ def format_report(r: dict) -> str:
     p = r["peaks"]
     lines = [f"kernels ({r['threads']} threads; integer kernels: {r['isa']})",
              f"  peaks measured now: float32 FMA {p['fma_gflops']:,.0f} GFLOP/s, int8 dot {p['int8_gops']:,.0f} GOP/s, "
-             f"bf16 dot {p['bf16_gflops']:,.0f} GFLOP/s, memory read {p['read_gbps']:,.1f} GB/s"]
+             f"bf16 dot {p['bf16_gflops']:,.0f} GFLOP/s, "
+             + (f"AMX bf16 tiles {p['amx_bf16_gflops']:,.0f} GFLOP/s, " if p.get("amx_bf16_gflops") else "")
+             + f"memory read {p['read_gbps']:,.1f} GB/s"]
     for k in r["kernels"]:
         wall = k.get("wall_rate")
         beside = f"  (whole calls: {wall:,.1f}, {wall / p[k['peak']]:.0%})" if wall and wall != k["rate"] else ""

@@ -15,6 +15,18 @@ from tests.builds import run_in_build
 pytestmark = pytest.mark.skipif(not fused.available(), reason="the C++ kernels did not build here")
 
 
+@pytest.fixture(params=["amx", "avx512"])
+def prefill_path(request):
+    """The prefill GEMM of rounded activations on AMX tiles (bf16_amx.h) where this CPU grants them, and on the
+    AVX-512 registers (PairFormat) on every machine; the decode and float32 paths are the same under both."""
+    ext = fused.extension()
+    if request.param == "amx" and not ext.set_amx(True):
+        pytest.skip("no AMX tiles here (a build without them, or Linux did not grant this process their state)")
+    ext.set_amx(request.param == "amx")
+    yield request.param
+    ext.set_amx(True)
+
+
 def bf16_nearest_even(x: torch.Tensor) -> torch.Tensor:
     """float32 x rounded to bfloat16 (to nearest, ties to even) from its bits, as float64 (finite x only)."""
     bits = x.contiguous().numpy().view(np.uint32).astype(np.uint64)
@@ -44,7 +56,7 @@ def assert_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, round: boo
 @pytest.mark.parametrize("K", [80, 1024, 1031])  # 1031: two blocks of the prefill panels, the last pair half empty
 @pytest.mark.parametrize("N", [33, 1000])
 @pytest.mark.parametrize("M", [1, 3, 17, 63, 257])  # decode (<= 16 rows) and prefill, with edge tiles
-def test_matches_float64_product(M, N, K, round):
+def test_matches_float64_product(M, N, K, round, prefill_path):
     g = torch.Generator().manual_seed(M * 7919 + N * 31 + K)
     x = torch.randn(M, K, generator=g) * torch.logspace(-3, 3, K)  # magnitudes over 6 decades
     w = (torch.randn(N, K, generator=g) * 0.05).bfloat16()
@@ -53,7 +65,7 @@ def test_matches_float64_product(M, N, K, round):
 
 @pytest.mark.parametrize("M", [1, 20], ids=["decode", "prefill"])
 @pytest.mark.parametrize("round", [True, False], ids=["rounded", "float32-activations"])
-def test_rounds_activations_to_nearest_even(round, M):
+def test_rounds_activations_to_nearest_even(round, M, prefill_path):
     """Hand-computed roundings through one-hot weight rows (y[m, n] = x[m, n] as the kernel reads it): ties go to the
     even neighbour, in the vector body (k < 64) and the scalar tail (k >= 64) alike; unrounded where not asked."""
     K = 80
@@ -71,12 +83,20 @@ def test_rounds_activations_to_nearest_even(round, M):
         assert y[n] == (rounded if rounds else torch.tensor(value).item()), (k, value, y[n])
 
 
-def test_large_and_tiny_weights_keep_their_values():
+def test_large_and_tiny_weights_keep_their_values(prefill_path):
     """bfloat16 holds float32's range: 2^100 and 2^-120 (neither survives float16) multiply exactly."""
     w = torch.tensor([[2.0 ** 100, 0.0, 0.0], [0.0, 2.0 ** -120, 0.0], [0.0, 0.0, -3.0]], dtype=torch.bfloat16)
-    x = torch.tensor([[2.0 ** -90, 2.0 ** 10, 0.5]])
+    x = torch.tensor([[2.0 ** -90, 2.0 ** 10, 0.5]]).repeat(40, 1)  # 40 rows: the prefill GEMMs too
     for round in (True, False):
-        assert run(x, w, round)[0].tolist() == [2.0 ** 10, 2.0 ** -110, -1.5]
+        assert run(x, w, round).tolist() == [[2.0 ** 10, 2.0 ** -110, -1.5]] * 40
+
+
+def test_isa_names_the_tiles_where_they_run():
+    ext = fused.extension()
+    for on in (False, True):
+        enabled = ext.set_amx(on)
+        assert enabled <= on  # turned off, the tiles never run
+        assert ("tdpbf16ps" in ext.bf16_isa()) == enabled
 
 
 def test_bad_arguments_are_named():

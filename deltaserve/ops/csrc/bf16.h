@@ -12,7 +12,8 @@
 //     stream, and multiplied by every activation row while it is in L1, each output a dot product along K kept in
 //     one vector accumulator (lanes = consecutive k) and summed across lanes at the end;
 //   prefill, rounded activations: panel_gemm.h's driver with PairFormat below (W's blocks rearranged into pairs in
-//     L2 per call, 6 x 64 register tiles, no sums across lanes);
+//     L2 per call, 6 x 64 register tiles, no sums across lanes), or where AMX runs (amx.h) with bf16_amx.h's
+//     AmxFormat (the same pairs, 32 x 32 blocks of sums in tile registers);
 //   prefill, float32 activations: threads split blocks of kBlockRows weight rows (kept in L2), each multiplied by
 //     all activation rows in 4 x 4 tiles of such dot products (16 accumulators, 8 loads a step).
 #pragma once
@@ -27,6 +28,8 @@
 #include <string>
 #include <vector>
 
+#include "amx.h"
+#include "bf16_amx.h"
 #include "gemv.h"
 #include "panel_gemm.h"
 #include "shares.h"
@@ -156,7 +159,8 @@ struct Widen {
 
 // what this build runs: with rounded activations first where it can
 inline std::string isa() {
-  return kDpbf16 ? std::string("AVX512_BF16 (vdpbf16ps on activations rounded to bfloat16; float32 activations: ") +
+  const std::string prefill = amx::enabled() ? "prefill on AMX tiles (tdpbf16ps), " : "";
+  return kDpbf16 ? std::string("AVX512_BF16 (") + prefill + "vdpbf16ps on activations rounded to bfloat16; float32 activations: " +
                        kWiden + ")"
                  : std::string(kWiden);
 }
@@ -283,6 +287,8 @@ struct PairFormat {
   static int64_t x_at(int64_t t, int64_t K, int64_t k0) { return t * kMR * even(K) + k0 * kMR; }
   static int64_t panel_at(int64_t j, int64_t kc) { return j * even(kc); }
   static int64_t panel_size() { return kKC * kNC; }
+  static int64_t x_size(int64_t M, int64_t K) { return (M + kMR - 1) / kMR * kMR * even(K); }
+  using Scope = NoTiles;
 
   // x [M, K] rounded into xp (x_at's layout; a last tile's missing rows are never read)
   static void pack_x(const float* x, int64_t M, int64_t K, uint16_t* xp) {
@@ -303,24 +309,8 @@ struct PairFormat {
     });
   }
 
-  // W rows n0 .. n0 + nc, columns k0 .. k0 + kc, into bp (panel_at's layout; rows past nc: zero): 16 rows x 16 pairs
-  // at a time, transposed as 32-bit values
   static void pack_w(const uint16_t* w, int64_t K, int64_t n0, int64_t nc, int64_t k0, int64_t kc, uint16_t* bp) {
-    const int64_t kcp = even(kc), tiles = (nc + kNR - 1) / kNR;
-    for (int64_t g = 0; g < kNV * tiles; ++g) {
-      uint16_t* out = bp + (g / kNV) * kcp * kNR + (g % kNV) * 32;
-      const int64_t rows = std::clamp<int64_t>(nc - 16 * g, 0, 16);
-      const uint16_t* wr = w + (n0 + 16 * g) * K + k0;
-      for (int64_t k = 0; k < kc; k += 32) {
-        const int64_t kn = std::min<int64_t>(32, kc - k);
-        const __mmask32 m = static_cast<__mmask32>((uint64_t{1} << kn) - 1);
-        __m512 r[16];
-        for (int i = 0; i < 16; ++i)
-          r[i] = i < rows ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(m, wr + i * K + k)) : _mm512_setzero_ps();
-        transpose16(r);
-        for (int64_t j = 0; j < (kn + 1) / 2; ++j) _mm512_storeu_ps(reinterpret_cast<float*>(out + (k / 2 + j) * 2 * kNR), r[j]);
-      }
-    }
+    pack_pairs<kNV>(w, K, n0, nc, k0, kc, even(kc), kNV * ((nc + kNR - 1) / kNR), bp);
   }
 
   template <int MR>
@@ -339,14 +329,7 @@ struct PairFormat {
         for (int v = 0; v < kNV; ++v) c[i][v] = _mm512_dpbf16_ps(c[i][v], a, (__m512bh)b[v]);
       }
     }
-    for (int v = 0; v < kNV; ++v) {
-      const int64_t n = std::clamp<int64_t>(cols - 16 * v, 0, 16);
-      const __mmask16 m = static_cast<__mmask16>((1u << n) - 1);
-      for (int i = 0; i < MR; ++i) {
-        float* yr = y + i * ldy + 16 * v;
-        _mm512_mask_storeu_ps(yr, m, add ? _mm512_add_ps(c[i][v], _mm512_maskz_loadu_ps(m, yr)) : c[i][v]);
-      }
-    }
+    store_tile<MR, kNV>(c, y, ldy, cols, add);
   }
 
   static void tile(int64_t rows, const uint16_t* xp, const uint16_t* bp, int64_t kc, float* y, int64_t ldy,
@@ -374,6 +357,18 @@ inline void product(const typename I::XT* xp, int64_t M, int64_t K, const uint16
   });
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// prefill of rounded activations through the panel format F (PairFormat, or AmxFormat where the tiles run)
+template <class F>
+inline void rounded_gemm(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
+  // torch's allocator: 64-byte aligned, so no load of the packed x splits a cache line; pack_x writes all F reads
+  const torch::Tensor held = at::empty({F::x_size(M, K)}, at::TensorOptions().dtype(at::kBFloat16));
+  uint16_t* xp = reinterpret_cast<uint16_t*>(held.data_ptr<at::BFloat16>());
+  F::pack_x(x, M, K, xp);
+  panel_gemm<F>(xp, w, y, M, N, K);
+}
+#endif
+
 // y [M, N] = x [M, K] (float32) @ w [N, K]^T (bfloat16), float32 out; all contiguous. round: x rounded to bfloat16
 // and vdpbf16ps, where the build has AVX512_BF16 (elsewhere float32 activations regardless)
 inline void linear_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor y, bool round) {
@@ -388,10 +383,10 @@ inline void linear_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor y, bool 
   (void)round;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (round && M > kGemvRows) {
-    std::unique_ptr<uint16_t[]> xp(new uint16_t[(M + PairFormat::kMR - 1) / PairFormat::kMR * PairFormat::kMR *
-                                                PairFormat::even(K)]);  // uninitialised: pack_x writes every value read
-    PairFormat::pack_x(x.data_ptr<float>(), M, K, xp.get());
-    return panel_gemm<PairFormat>(xp.get(), wp, y.data_ptr<float>(), M, N, K);
+#if defined(DELTASERVE_AMX)
+    if (amx::enabled()) return rounded_gemm<AmxFormat>(x.data_ptr<float>(), M, K, wp, N, y.data_ptr<float>());
+#endif
+    return rounded_gemm<PairFormat>(x.data_ptr<float>(), M, K, wp, N, y.data_ptr<float>());
   }
   if (round) {
     torch::Tensor held;

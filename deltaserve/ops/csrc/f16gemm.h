@@ -102,14 +102,7 @@ inline void tile(const float* xp, const float* bp, int64_t kc, float* y, int64_t
       for (int v = 0; v < kNV; ++v) c[i][v] = _mm512_fmadd_ps(a, b[v], c[i][v]);
     }
   }
-  for (int v = 0; v < kNV; ++v) {
-    const int64_t n = std::clamp<int64_t>(cols - 16 * v, 0, 16);
-    const __mmask16 m = static_cast<__mmask16>((1u << n) - 1);
-    for (int i = 0; i < MR; ++i) {
-      float* yr = y + i * ldy + 16 * v;
-      _mm512_mask_storeu_ps(yr, m, add ? _mm512_add_ps(c[i][v], _mm512_maskz_loadu_ps(m, yr)) : c[i][v]);
-    }
-  }
+  store_tile<MR, kNV>(c, y, ldy, cols, add);
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   __m256 c0[MR], c1[MR];
   for (int i = 0; i < MR; ++i) c0[i] = c1[i] = _mm256_setzero_ps();
@@ -153,6 +146,7 @@ struct Format {
   static int64_t x_at(int64_t t, int64_t K, int64_t k0) { return t * kMR * K + k0 * kMR; }
   static int64_t panel_at(int64_t j, int64_t kc) { return j * kc; }
   static int64_t panel_size() { return kKC * kNC; }
+  using Scope = NoTiles;
   static void pack_w(const uint16_t* w, int64_t K, int64_t n0, int64_t nc, int64_t k0, int64_t kc, float* bp) {
     f16::pack_w(w, K, n0, nc, k0, kc, bp);
   }

@@ -3,7 +3,7 @@
 // f16gemm.h (the prefill GEMM of float16 weights),
 // kquants.h (packed GGML blocks: decoders, rows to float32) and kquants_avx512.h, packed.h (decode GEMV and rows to float32 on them),
 // int8dot.h, int8gemv.h, int8gemm.h and panels.h (integer dot products of K-quant blocks; int8q8.h of Q8_0 ones with activations rounded to int8), probe.h (peaks),
-// bf16.h (float32 activations times bfloat16 weights),
+// bf16.h (float32 activations times bfloat16 weights; its AMX prefill in bf16_amx.h), amx.h (whether the tiles run),
 // attention.h (tiled attention over the KV cache for long spans), plan.h (a decode step or verify pass through dense
 // layers, and the MTP layer's drafts).
 #include "attention.h"
@@ -63,6 +63,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("probe_fma", &deltaserve::probe_fma, "float32 FMAs per second, all threads (iters, reps)");
   m.def("probe_int8", &deltaserve::probe_int8, "int8 products per second, all threads (iters, reps)");
   m.def("probe_bf16", &deltaserve::probe_bf16, "bfloat16 products per second as the bf16 kernels run them (iters, reps)");
+  m.def("probe_amx_bf16", &deltaserve::probe_amx_bf16, "bfloat16 products per second on AMX tiles, all threads; 0 without AMX");
+  m.def("amx_enabled", &deltaserve::amx::enabled, "whether the kernels take their AMX paths (built, granted, not turned off)");
+  m.def("set_amx", &deltaserve::amx::set_enabled, "ask for the AMX paths (True) or the AVX-512 ones; returns amx_enabled()");
   m.def("probe_read", &deltaserve::probe_read, "bytes read per second, all threads (buf, reps)");
   m.def("linear_bf16", &deltaserve::bf16::linear_bf16,
         "float32 activations (rounded to bfloat16 where asked and AVX512_BF16 is built) times bfloat16 weights (CPU)");

@@ -9,7 +9,7 @@
 // A format F gives: X (x's packed element) and P (the panel's); kMR, kNR, kKC (even), kNC; x_at(t, K, k0), the offset
 // of row tile t's block at k0 in the packed x; panel_at(j, kc), the offset of column j's tile in a panel of kc;
 // panel_size(); pack_w(w, K, n0, nc, k0, kc, panel); tile(rows, xp, bp, kc, y, ldy, cols, add), add: y holds the
-// sum over the earlier blocks of k.
+// sum over the earlier blocks of k; Scope, held by each thread while it takes units.
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -47,7 +47,49 @@ inline void transpose16(__m512 r[16]) {
     r[12 + c] = _mm512_shuffle_f32x4(x1, x3, 0xDD);
   }
 }
+
+// y[i][0 .. cols) (+)= c[i] for a micro-kernel's MR x (16 NV) block of float32 sums (add: y holds earlier blocks' sums)
+template <int MR, int NV>
+inline void store_tile(const __m512 (&c)[MR][NV], float* y, int64_t ldy, int64_t cols, bool add) {
+  for (int v = 0; v < NV; ++v) {
+    const int64_t n = std::clamp<int64_t>(cols - 16 * v, 0, 16);
+    const __mmask16 m = static_cast<__mmask16>((1u << n) - 1);
+    for (int i = 0; i < MR; ++i) {
+      float* yr = y + i * ldy + 16 * v;
+      _mm512_mask_storeu_ps(yr, m, add ? _mm512_add_ps(c[i][v], _mm512_maskz_loadu_ps(m, yr)) : c[i][v]);
+    }
+  }
+}
 #endif
+
+#if defined(__AVX512BW__)
+// W rows n0 .. n0 + nc, columns k0 .. k0 + kc, as pairs of k (the layout vdpbf16ps and tdpbf16ps multiply): groups of
+// 16 rows [groups / NV][kcp / 2][16 NV][2], so group g starts at (g / NV) kcp 16 NV + (g % NV) 32 and its pair p lies
+// 32 NV values further on per p, row r's pair at 32-bit lane r. Pairs up to kcp / 2 (>= kc / 2) and rows past nc are
+// zero. 16 rows x 16 pairs at a time, transposed as 32-bit values.
+template <int NV>
+inline void pack_pairs(const uint16_t* w, int64_t K, int64_t n0, int64_t nc, int64_t k0, int64_t kc, int64_t kcp,
+                       int64_t groups, uint16_t* bp) {
+  for (int64_t g = 0; g < groups; ++g) {
+    uint16_t* out = bp + (g / NV) * kcp * 16 * NV + (g % NV) * 32;
+    const int64_t rows = std::clamp<int64_t>(nc - 16 * g, 0, 16);
+    const uint16_t* wr = w + (n0 + 16 * g) * K + k0;
+    for (int64_t k = 0; k < kcp; k += 32) {
+      const int64_t kn = std::clamp<int64_t>(kc - k, 0, 32);
+      const __mmask32 m = static_cast<__mmask32>((uint64_t{1} << kn) - 1);
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = i < rows ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(m, wr + i * K + k)) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int64_t j = 0; j < std::min<int64_t>(16, (kcp - k) / 2); ++j)
+        _mm512_storeu_ps(reinterpret_cast<float*>(out + (k / 2 + j) * 32 * NV), r[j]);
+    }
+  }
+}
+#endif
+
+// a format's Scope for the threads of a call where it needs none (AMX formats: the tiles configured)
+struct NoTiles {};
 
 // one unit: columns n0 .. n0 + nc of y for row tiles t0 .. t1, k in blocks of kKC (the panel laid out once per block)
 template <class F>
@@ -76,6 +118,7 @@ inline void panel_gemm(const typename F::X* xp, const uint16_t* w, float* y, int
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     static thread_local std::vector<typename F::P> panel(F::panel_size());
+    const typename F::Scope scope{};
     for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
       const int64_t b = u / split, s = u % split, n0 = b * F::kNC, nc = std::min<int64_t>(F::kNC, N - n0);
       const int64_t t0 = tiles * s / split, t1 = tiles * (s + 1) / split;
