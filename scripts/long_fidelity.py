@@ -52,10 +52,10 @@ def ours(path: str, n: int, out: str) -> dict:
 
 
 def theirs(path: str, n: int, out: str) -> dict:
-    from llama_cpp import Llama
+    from deltaserve.bench.llama_peer import open_llama
 
     f32 = 0  # GGML_TYPE_F32: the KV cache in float32, as deltaserve's beside float32 weights
-    llm = Llama(model_path=path, n_ctx=n + 8, n_batch=512, n_ubatch=512, type_k=f32, type_v=f32, verbose=False)
+    llm = open_llama(path, n_ctx=n + 8, n_batch=512, n_ubatch=512, type_k=f32, type_v=f32, verbose=False)
     ids = prompt(path, n)
     t = time.perf_counter()
     llm.eval(ids)

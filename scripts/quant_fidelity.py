@@ -35,8 +35,7 @@ def main() -> None:
     p.add_argument("--greedy", type=int, default=32)
     p.add_argument("--float-activations", action="store_true")
     args = p.parse_args()
-    import llama_cpp
-
+    from deltaserve.bench.llama_peer import open_llama
     from deltaserve.engine.llm import LLM
     from deltaserve.models import layers, packed
 
@@ -44,8 +43,8 @@ def main() -> None:
         packed.INT8_ACTIVATIONS = layers.Q8_INT8_ACTIVATIONS = False
     ids = prompt(args.model, args.tokens)
     ours = LLM(args.model, max_len=args.tokens + args.greedy + 8, checkpoint_interval=0)
-    ref = llama_cpp.Llama(model_path=args.model, n_ctx=args.tokens + args.greedy + 8, n_batch=256, logits_all=True,
-                          verbose=False, seed=0)
+    ref = open_llama(args.model, n_ctx=args.tokens + args.greedy + 8, n_batch=256, logits_all=True, verbose=False,
+                     seed=0)
 
     def theirs(tokens: list[int]) -> np.ndarray:
         ref.reset()

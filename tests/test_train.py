@@ -17,6 +17,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, TokenType
 
 import deltaserve
+from deltaserve.bench.llama_peer import open_llama
 from deltaserve.errors import DeltaserveError
 from deltaserve.loader import open_checkpoint
 from deltaserve.convert.presets import TOKENIZER_TEXT
@@ -333,11 +334,11 @@ def test_shipped_model_knows_shakespeare(shipped):
 
 
 def test_llama_cpp_continues_the_shipped_model_like_we_do(shipped):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
     _, tokenizer, model = shipped
     prompt, n = "ROMEO:", 32
     ids = tokenizer.encode(prompt)
-    llm = llama_cpp.Llama(model_path=str(SHIPPED), n_ctx=512, logits_all=True, verbose=False, seed=0)
+    llm = open_llama(SHIPPED, n_ctx=512, logits_all=True, verbose=False, seed=0)
     try:
         assert llm.tokenize(prompt.encode(), add_bos=False, special=True) == ids
         llm.eval(ids)

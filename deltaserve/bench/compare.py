@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from deltaserve.bench import llama_peer
+
 
 def _prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
     """A fixed pseudo-random prompt of n token ids (both engines get the same ids)."""
@@ -149,10 +151,10 @@ def _worker_kernels(args) -> dict:
 
 def _worker_llama(args) -> dict:
     import numpy as np
-    from llama_cpp import Llama
 
-    llm = Llama(model_path=args.model, n_ctx=max(args.prefill + [512]) + args.decode + 8, n_batch=args.batch,
-                n_ubatch=args.batch, n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+    llm = llama_peer.open_llama(args.model, n_ctx=max(args.prefill + [512]) + args.decode + 8, n_batch=args.batch,
+                                n_ubatch=args.batch, n_threads=args.threads, n_threads_batch=args.threads,
+                                verbose=False)
     vocab, out = llm.n_vocab(), {}
 
     def prefill(ids):
@@ -241,6 +243,9 @@ def main(argv=None):
         if len(engines) > 1:
             row += f"{median['deltaserve'][m] / median['llama.cpp'][m]:>11.2f}x"
         print(row)
+    peer_note = llama_peer.note() if "llama.cpp" in engines else None
+    if peer_note:
+        print(peer_note)
     gemv = statistics.median(r["gemv_gbps"] for r in runs["deltaserve"])
     copy = _run_worker("bandwidth", args)["copy_gbps"]
     print(f"deltaserve decode kernels: {runs['deltaserve'][-1]['kernels']}")
@@ -253,7 +258,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "threads": args.threads, "runs": runs, "median": median,
-                       "copy_gbps": copy, "kernels": kern}, f, indent=2)
+                       "copy_gbps": copy, "kernels": kern, "peer_note": peer_note}, f, indent=2)
         print(f"wrote {args.json}")
 
 

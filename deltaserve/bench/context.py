@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+from deltaserve.bench import llama_peer
 from deltaserve.bench.compare import _prompt
 
 METRICS = ("prefill", "decode", "peak_rss_mb")
@@ -60,10 +61,9 @@ def worker_deltaserve(model: str, n: int, decode: int, batch: int, threads: int)
 
 def worker_llama(model: str, n: int, decode: int, batch: int, threads: int) -> dict:
     import numpy as np
-    from llama_cpp import Llama
 
-    llm = Llama(model_path=model, n_ctx=n + decode + 8, n_batch=batch, n_ubatch=batch, n_threads=threads,
-                n_threads_batch=threads, verbose=False)
+    llm = llama_peer.open_llama(model, n_ctx=n + decode + 8, n_batch=batch, n_ubatch=batch, n_threads=threads,
+                                n_threads_batch=threads, verbose=False)
     vocab = llm.n_vocab()
     llm.eval(_prompt(32, vocab, seed=1))  # warm-up
     llm.reset()
@@ -121,6 +121,8 @@ def _table(args, engines: list[str], median: dict) -> None:
             if len(engines) > 1:
                 row += f"{by['deltaserve'][m] / by['llama.cpp'][m]:>11.2f}x"
             print(row)
+    if "llama.cpp" in engines and llama_peer.note():
+        print(llama_peer.note())
     print("deltaserve memory held (within its peak RSS): " + "; ".join(
         f"{n}: KV cache + recurrent state {by['deltaserve']['state_mb']:,.0f} MB, "
         f"{by['deltaserve']['checkpoints']:.0f} prefix checkpoints {by['deltaserve']['checkpoint_mb']:,.0f} MB"

@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 from safetensors.torch import load_file
 
+from deltaserve.bench.llama_peer import open_llama
 from deltaserve.convert import make_model
 from deltaserve.convert.presets import preset_config
 from deltaserve.engine.llm import LLM
@@ -163,9 +164,8 @@ def test_both_copies_load_to_the_same_model_and_transformers_agrees(made):
 # -- llama.cpp ------------------------------------------------------------------------------------
 
 def llama(path):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed "
-                                                        "(scripts/install-llama-cpp.sh)")
-    return llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256, logits_all=True, verbose=False, seed=0)
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/install-llama-cpp.sh)")
+    return open_llama(path, n_ctx=256, n_batch=256, logits_all=True, verbose=False, seed=0)
 
 
 def rel_diff(mine, theirs):

@@ -14,6 +14,7 @@ from gguf import GGUFReader, TokenType
 from gguf import quants as gguf_quants
 from safetensors.torch import load_file
 
+from deltaserve.bench.llama_peer import open_llama
 from deltaserve import cli
 from deltaserve.convert import make_model
 from deltaserve.convert.presets import PRESETS, preset_config
@@ -320,27 +321,19 @@ def test_hf_dir_runs_in_transformers(made, arch):
 
 # -- llama.cpp -------------------------------------------------------------------------------------
 
-def llama_cpp_or_skip():
-    try:
-        import llama_cpp
-    except ImportError:
-        pytest.skip("llama_cpp is not installed (scripts/install-llama-cpp.sh builds it)")
-    return llama_cpp
-
-
-def llama_logits(llama_cpp, path, ids):
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False)
+def llama_logits(path, ids):
+    pytest.importorskip("llama_cpp", reason="llama_cpp is not installed (scripts/install-llama-cpp.sh builds it)")
+    llm = open_llama(path, n_ctx=64, logits_all=True, verbose=False)
     llm.eval(ids)
     return np.array(llm.scores[:len(ids)], dtype=np.float32)
 
 
 @pytest.mark.parametrize("arch", ARCH_NAMES)
 def test_llama_cpp_agrees_with_transformers(made, arch):
-    llama_cpp = llama_cpp_or_skip()
     transformers = pytest.importorskip("transformers")
     m = made(arch)
     ids = m.tokenizer.encode(PROMPT)
-    ours = llama_logits(llama_cpp, m.gguf_path, ids)
+    ours = llama_logits(m.gguf_path, ids)
     model = transformers.AutoModelForCausalLM.from_pretrained(m.hf_dir, dtype=torch.float32)
     with torch.no_grad():
         theirs = model(torch.tensor([ids])).logits[0].numpy()
@@ -351,11 +344,10 @@ def test_llama_cpp_agrees_with_transformers(made, arch):
 @pytest.mark.parametrize("dtype", ["f16", "q8_0"])
 @pytest.mark.parametrize("arch", ARCH_NAMES)
 def test_llama_cpp_runs_every_dtype(made, arch, dtype):
-    llama_cpp = llama_cpp_or_skip()
     m = made(arch, dtype)
     ids = m.tokenizer.encode(PROMPT)
-    logits = llama_logits(llama_cpp, m.gguf_path, ids)
-    reference = llama_logits(llama_cpp, made(arch).gguf_path, ids)
+    logits = llama_logits(m.gguf_path, ids)
+    reference = llama_logits(made(arch).gguf_path, ids)
     assert np.isfinite(logits).all()
     if dtype == "f16":  # the weights were bfloat16, so float16 changes only the smallest of them
         assert np.abs(logits - reference).max() < 0.05 * reference.std()
@@ -374,7 +366,7 @@ def test_vocab_padded_past_the_tokenizer(tmp_path, monkeypatch):
     assert len(types) == 1000 and set(types[n:]) == {int(TokenType.UNUSED)}
     embedding = read_gguf(m.gguf_path)["token_embd.weight"][2]
     assert embedding.shape == (1000, 96) and not embedding[n:].any() and np.abs(embedding[:n]).sum(axis=1).min() > 0
-    logits = llama_logits(llama_cpp_or_skip(), m.gguf_path, m.tokenizer.encode(PROMPT))
+    logits = llama_logits(m.gguf_path, m.tokenizer.encode(PROMPT))
     assert (logits.argmax(-1) < n).all()  # a real token wins every position
 
 

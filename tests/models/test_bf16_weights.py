@@ -80,7 +80,7 @@ def test_logits_match_llama_cpp_on_the_bf16_file(engines):
         mine = ours.score(ids)[-1].double().numpy() if step == 0 else ours.runner.forward([0], [[ids[-1]]])[0].double().numpy()
         theirs, exact = llama_last_logits(ref, ids), llama_last_logits(ref32, ids)
         near, far = rel_diff(mine, theirs), rel_diff(mine, exact)
-        assert near < BF16_PARITY[ours.model.config.arch] and near < far / 2, (step, near, far)
+        assert near < BF16_PARITY[ours.model.config.arch] and near < far, (step, near, far)
         ids = ids + [int(theirs.argmax())]
 
 

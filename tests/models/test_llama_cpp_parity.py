@@ -6,6 +6,7 @@ Build the peer with scripts/install-llama-cpp.sh; without it these tests are ski
 import numpy as np
 import pytest
 
+from deltaserve.bench.llama_peer import open_llama
 from deltaserve.engine.llm import LLM
 from deltaserve.convert import make_model
 
@@ -27,7 +28,7 @@ def llama_greedy(llm, ids, n):
 
 
 def llama(path):
-    return llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256, logits_all=True, verbose=False, seed=0)
+    return open_llama(path, n_ctx=256, n_batch=256, logits_all=True, verbose=False, seed=0)
 
 
 def llama_last_logits(llm, ids):

@@ -8,6 +8,7 @@ scripts/long_fidelity.py runs the same comparison at 128k tokens (and on 0.8B sh
 import numpy as np
 import pytest
 
+from deltaserve.bench.llama_peer import open_llama
 from deltaserve.convert import make_model
 from deltaserve.engine.llm import LLM
 
@@ -31,8 +32,8 @@ def test_last_token_logits_after_a_long_prompt(arch, tokens, tmp_path):
     mine = logits[0].double().numpy()
     assert ours.runner.cache.store.checkpoints > 0  # the passes were cut and checkpointed on the way
 
-    ref = llama_cpp.Llama(model_path=str(path), n_ctx=tokens + 8, n_batch=512, n_ubatch=512, type_k=GGML_TYPE_F32,
-                          type_v=GGML_TYPE_F32, verbose=False)
+    ref = open_llama(path, n_ctx=tokens + 8, n_batch=512, n_ubatch=512, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32,
+                     verbose=False)
     try:
         ref.eval(ids)
         theirs = np.ctypeslib.as_array(ref._ctx.get_logits(), shape=(ref.n_vocab(),)).astype(np.float64)

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,6 +42,20 @@ def test_bench_kernels_reports_rates_within_the_measured_peaks(tmp_path):
     q8 = {"Q8_0"} if fused.extension().q8_int8() else set()
     iq4 = {"IQ4_XS"} if Q.IQ4_XS in packed.int8_types() else set()
     assert {k["format"] for k in r["kernels"]} == {"Q4_K", "Q5_K", "Q6_K", "F16", "F32", "BF16"} | q8 | iq4
+    # the decode rows and the read peak stream 128 MB, 4x a 32 MB L3: where the L3 holds that (a VM reporting 480 MB),
+    # both read cache, the kernels' prefetched streams faster than the probe's, and the bound says nothing
+    memory = _l3_bytes() * 4 <= 128 << 20
     for k in r["kernels"]:
         # a kernel never beats the machine: a rate well above its peak means the probe (or the count) is wrong
-        assert 0 < k["rate"] <= 1.25 * r["peaks"][k["peak"]], k
+        assert 0 < k["rate"], k
+        if k["peak"] != "read_gbps" or memory:
+            assert k["rate"] <= 1.25 * r["peaks"][k["peak"]], k
+
+
+def _l3_bytes() -> int:
+    """This CPU's L3 size as Linux reports it (0 where it does not)."""
+    try:
+        size = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+    except OSError:
+        return 0
+    return int(size[:-1]) << {"K": 10, "M": 20}[size[-1]] if size[-1] in "KM" else int(size)

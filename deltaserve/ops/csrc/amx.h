@@ -10,6 +10,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__linux__)
 #include <sys/syscall.h>
@@ -52,8 +54,12 @@ constexpr bool kBuilt = false;
 inline bool granted() { return false; }
 #endif
 
-// Tests and the benchmark turn the tiles off to run the AVX-512 paths on the same machine.
-inline std::atomic<bool> g_wanted{true};
+// DELTASERVE_AMX=0 in the environment turns the tiles off for the process (to measure without them); tests and the
+// benchmark turn them off and on to run the AVX-512 paths on the same machine.
+inline std::atomic<bool> g_wanted{[] {
+  const char* v = std::getenv("DELTASERVE_AMX");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}()};
 
 // whether the kernels take the AMX paths now
 inline bool enabled() { return kBuilt && g_wanted.load(std::memory_order_relaxed) && granted(); }

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "gemv.h"
 
 namespace deltaserve {
 
@@ -152,7 +153,8 @@ inline double probe_amx_bf16(int64_t iters, int64_t reps) {
 
 // bytes read per second on all threads, each reading its share of `buf` (uint8, contiguous, whole 256s) 1 MB a
 // round, in turn (rounds of a few hundred microseconds run whole between other jobs; a share larger than the L3
-// comes back from memory)
+// comes back from memory), prefetched into L2 as far ahead as the decode GEMVs prefetch their rows (without it a
+// Xeon's demand loads read 15 GB/s a core where those kernels stream 24)
 inline double probe_read(torch::Tensor buf, int64_t reps) {
   TORCH_CHECK(buf.dtype() == torch::kUInt8 && buf.is_contiguous() && buf.numel() % 256 == 0, "buf must be uint8, whole 256s");
   const uint8_t* p = buf.data_ptr<uint8_t>();
@@ -162,11 +164,21 @@ inline double probe_read(torch::Tensor buf, int64_t reps) {
   return per_thread_rate(reps, [&](int64_t t) {
     const int64_t lo = std::min(n, t * share + (next[t]++ * kChunk) % share), hi = std::min({n, lo + kChunk, (t + 1) * share});
     int64_t sink = 0;
-#if defined(__AVX2__)
-    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+#if defined(__AVX512F__)
+    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
     for (int64_t i = lo; i < hi; ++i)
+      for (int c = 0; c < 4; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + 256 * i + kF16Prefetch + 64 * c), _MM_HINT_T1);
+        acc[c] = _mm512_xor_si512(acc[c], _mm512_loadu_si512(p + 256 * i + 64 * c));
+      }
+    sink = _mm512_reduce_add_epi64(_mm512_xor_si512(_mm512_xor_si512(acc[0], acc[1]), _mm512_xor_si512(acc[2], acc[3])));
+#elif defined(__AVX2__)
+    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int64_t i = lo; i < hi; ++i) {
+      for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(p + 256 * i + kF16Prefetch + 64 * c), _MM_HINT_T1);
       for (int c = 0; c < 8; ++c)
         acc[c % 4] = _mm256_xor_si256(acc[c % 4], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256 * i + 32 * c)));
+    }
     sink = _mm256_extract_epi64(_mm256_xor_si256(_mm256_xor_si256(acc[0], acc[1]), _mm256_xor_si256(acc[2], acc[3])), 0);
 #else
     for (int64_t i = 256 * lo; i < 256 * hi; ++i) sink += p[i];
