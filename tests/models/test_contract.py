@@ -103,8 +103,9 @@ def test_batched_equals_alone(arch, made):
     batched = model(more, state, [2, 0], logits="all")
     alone = [run(model, torch.cat([first[:1, :4], more[:1]], 1))[0, -5:],
              run(model, torch.cat([first[1:], more[1:]], 1))[0, -5:]]
-    for row in range(2):
-        torch.testing.assert_close(batched[row], alone[row], rtol=1e-5, atol=1e-5)
+    for row in range(2):  # float32 sums in other orders (a batch's GEMMs, a row's GEMVs): kimi-linear's rows came
+        # 1.7e-5 apart on an AMX Xeon (2 of 4,145 logits), before and after its bf16 tiles
+        torch.testing.assert_close(batched[row], alone[row], rtol=1e-5, atol=3e-5)
     seqs = [torch.cat([first[:1, :4], more[:1]], 1), torch.cat([first[1:], more[1:]], 1)]
     last = batched[:, -1]
     for _ in range(6):
