@@ -1,5 +1,7 @@
 import pytest
 
+from deltaserve.ops import fused
+
 from deltaserve.convert import make_model
 from deltaserve.engine.llm import load
 from deltaserve.models import FAMILIES
@@ -42,3 +44,17 @@ def loaded(model_path):
         return cache[arch]
 
     return get
+
+
+@pytest.fixture(params=["amx", "avx512"])
+def prefill_path(request):
+    """The prefill GEMMs (bf16 and integer) on AMX tiles where this CPU grants them, and on the AVX-512 registers
+    everywhere; decode paths are the same under both."""
+    if not fused.available():
+        pytest.skip("the C++ kernels did not build here")
+    ext = fused.extension()
+    if request.param == "amx" and not ext.set_amx(True):
+        pytest.skip("no AMX tiles here (a build without them, or Linux did not grant this process their state)")
+    ext.set_amx(request.param == "amx")
+    yield request.param
+    ext.set_amx(True)

@@ -4,7 +4,7 @@
     deltaserve bench kernels
 
 Peaks (ops/csrc/probe.h): float32 FMAs, int8 and bf16 dot products with 12 independent chains a thread (and AMX
-tiles' tdpbf16ps where this CPU runs them: four independent tile sums a thread), memory reads
+tiles' tdpbf16ps and tdpbsud where this CPU runs them: four independent tile sums a thread), memory reads
 of a buffer 4x the L3 in 2 MB pages (as a model's weights). Kernels, per weight format, at a 0.8B model's shapes:
 the decode GEMV (one row of activations, weights streamed from memory: GB/s against the read peak) and the
 prefill GEMM (256 rows: GOP/s against the int8 or FMA peak); the float16 GEMM (256 and 512 rows: GFLOP/s against
@@ -76,6 +76,7 @@ def peaks() -> dict:
     buf = weight_empty((128 << 20,), torch.uint8).fill_(1)  # 4x a 32 MB L3, in 2 MB pages as the weights are
     return {"fma_gflops": ext.probe_fma(20_000, 200) / 1e9, "int8_gops": ext.probe_int8(20_000, 200) / 1e9,
             "bf16_gflops": ext.probe_bf16(20_000, 200) / 1e9, "amx_bf16_gflops": ext.probe_amx_bf16(5_000, 50) / 1e9,
+            "amx_int8_gops": ext.probe_amx_int8(5_000, 50) / 1e9,
             "read_gbps": ext.probe_read(buf, 4 * 128 // torch.get_num_threads()) / 1e9}
 
 
@@ -104,9 +105,14 @@ def kernel_rates() -> list[dict]:
         rows.append(_decode_row("linear_int8 decode", qtype.name, t, mats[0].nbytes, shares))
         w = _matrix(qtype, N, _HIDDEN)
         xs, ys = torch.randn(M, _HIDDEN), torch.empty(M, N)
-        t = _best(lambda: ext.linear_int8(xs, w, w.packing.table, ys))
-        rows.append(dict(kernel="linear_int8 prefill", format=qtype.name, shape=f"{M}x{N}x{_HIDDEN}", seconds=t,
-                         rate=2 * M * N * _HIDDEN / t / 1e9, unit="GOP/s", peak="int8_gops"))
+        amx = ext.amx_enabled()
+        for tiles in ([True, False] if amx else [False]):  # where AMX runs, the VNNI path beside it
+            ext.set_amx(tiles)
+            t = _best(lambda: ext.linear_int8(xs, w, w.packing.table, ys))
+            rows.append(dict(kernel="linear_int8 prefill" + (" AMX" if tiles else ""), format=qtype.name,
+                             shape=f"{M}x{N}x{_HIDDEN}", seconds=t, rate=2 * M * N * _HIDDEN / t / 1e9, unit="GOP/s",
+                             peak="amx_int8_gops" if tiles else "int8_gops"))
+        ext.set_amx(amx)
     if ext.q8_int8():
         rows += _q8_rates(ext, M, N)
     rows += _bf16_rates(ext, M, N)
@@ -205,7 +211,8 @@ def format_report(r: dict) -> str:
     lines = [f"kernels ({r['threads']} threads; integer kernels: {r['isa']})",
              f"  peaks measured now: float32 FMA {p['fma_gflops']:,.0f} GFLOP/s, int8 dot {p['int8_gops']:,.0f} GOP/s, "
              f"bf16 dot {p['bf16_gflops']:,.0f} GFLOP/s, "
-             + (f"AMX bf16 tiles {p['amx_bf16_gflops']:,.0f} GFLOP/s, " if p.get("amx_bf16_gflops") else "")
+             + (f"AMX tiles bf16 {p['amx_bf16_gflops']:,.0f} GFLOP/s and int8 {p['amx_int8_gops']:,.0f} GOP/s, "
+                if p.get("amx_bf16_gflops") else "")
              + f"memory read {p['read_gbps']:,.1f} GB/s"]
     for k in r["kernels"]:
         wall = k.get("wall_rate")

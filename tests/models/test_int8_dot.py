@@ -64,7 +64,7 @@ PANELS = [pytest.param(False, id="file-rows"), pytest.param(True, id="panels")]
 @pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 17, 40], ids=lambda r: f"rows{r}")
 @pytest.mark.parametrize("out_rows", [1, 37], ids=lambda n: f"out{n}")
 @pytest.mark.parametrize("qtype", INT8, ids=lambda t: t.name)
-def test_kernel_matches_q8k_reference(qtype, out_rows, rows, panels):
+def test_kernel_matches_q8k_reference(qtype, out_rows, rows, panels, prefill_path):
     K = 768  # three blocks
     w, ref = packed_matrix([(qtype, out_rows)], K, seed=rows + out_rows, panels=panels)
     x = torch.randn(rows, K) * torch.rand(rows, 1) * 4
@@ -73,7 +73,7 @@ def test_kernel_matches_q8k_reference(qtype, out_rows, rows, panels):
 
 @pytest.mark.parametrize("panels", PANELS)
 @pytest.mark.parametrize("rows", [1, 6, 11], ids=lambda r: f"rows{r}")
-def test_mixed_types_zero_rows_and_outliers(rows, panels):
+def test_mixed_types_zero_rows_and_outliers(rows, panels, prefill_path):
     """A projection mixing the K-quants (llama.cpp's Q4_K_M keeps parts in Q6_K, Q3_K_M in Q4_K and Q5_K), rows of x
     that are zero (scale 0) and one with an outlier that takes all of its block's range."""
     K = 512

@@ -23,10 +23,11 @@ def test_probes_give_rates_this_cpu_can_reach():
     assert 1e9 < ext.probe_fma(10_000, 5) < ceiling
     assert 1e9 < ext.probe_int8(10_000, 5) < 8 * ceiling
     assert 1e9 < ext.probe_bf16(10_000, 5) < 2 * ceiling  # vdpbf16ps: 32 products a vector, float32 FMAs' 16
-    if ext.amx_enabled():  # tdpbf16ps: 16 x 16 x 32 products an instruction, 16 a cycle at most
+    if ext.amx_enabled():  # tdpbf16ps: 16 x 16 x 32 products an instruction, 16 a cycle at most; tdpbsud twice that
         assert 1e9 < ext.probe_amx_bf16(1_000, 5) < 32 * ceiling
+        assert 1e9 < ext.probe_amx_int8(1_000, 5) < 64 * ceiling
     else:
-        assert ext.probe_amx_bf16(1_000, 5) == 0
+        assert ext.probe_amx_bf16(1_000, 5) == ext.probe_amx_int8(1_000, 5) == 0
     assert 1e8 < ext.probe_read(torch.ones(1 << 20, dtype=torch.uint8), 3) < 1e13
     with pytest.raises(RuntimeError, match="whole 256s"):
         ext.probe_read(torch.ones(300, dtype=torch.uint8), 1)

@@ -15,18 +15,6 @@ from tests.builds import run_in_build
 pytestmark = pytest.mark.skipif(not fused.available(), reason="the C++ kernels did not build here")
 
 
-@pytest.fixture(params=["amx", "avx512"])
-def prefill_path(request):
-    """The prefill GEMM of rounded activations on AMX tiles (bf16_amx.h) where this CPU grants them, and on the
-    AVX-512 registers (PairFormat) on every machine; the decode and float32 paths are the same under both."""
-    ext = fused.extension()
-    if request.param == "amx" and not ext.set_amx(True):
-        pytest.skip("no AMX tiles here (a build without them, or Linux did not grant this process their state)")
-    ext.set_amx(request.param == "amx")
-    yield request.param
-    ext.set_amx(True)
-
-
 def bf16_nearest_even(x: torch.Tensor) -> torch.Tensor:
     """float32 x rounded to bfloat16 (to nearest, ties to even) from its bits, as float64 (finite x only)."""
     bits = x.contiguous().numpy().view(np.uint32).astype(np.uint64)

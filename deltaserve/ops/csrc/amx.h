@@ -10,6 +10,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <initializer_list>
+#include <utility>
 #include <cstdlib>
 #include <cstring>
 
@@ -30,21 +32,24 @@ inline bool granted() {
   return ok;
 }
 
-// palette 1, tiles 0 .. 7 of 16 rows x 64 bytes: the one shape every kernel here uses
+// palette 1: tiles 0 .. 7 of 16 rows x 64 bytes, or the shapes given (rows, bytes a row) for the first few
 struct alignas(64) Config {
   uint8_t palette = 1, start_row = 0;
   uint8_t reserved[14] = {};
   uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
   uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+  Config() = default;
+  Config(std::initializer_list<std::pair<uint8_t, uint16_t>> shapes) {
+    int t = 0;
+    for (const auto& [r, c] : shapes) rows[t] = r, colsb[t++] = c;
+  }
 };
 
-// the tiles configured for this thread while in scope
+// the tiles configured for this thread while in scope (all 16 x 64 bytes unless given)
 class Scope {
  public:
-  Scope() {
-    static const Config config;
-    _tile_loadconfig(&config);
-  }
+  Scope() : Scope(Config{}) {}
+  explicit Scope(const Config& config) { _tile_loadconfig(&config); }
   ~Scope() { _tile_release(); }
   Scope(const Scope&) = delete;
   Scope& operator=(const Scope&) = delete;

@@ -3,14 +3,19 @@
 // in its 16 int32 lanes, one lane per weight row. The per-16 scales then apply per lane (vpmulld, once per 16
 // codes), the offsets by vpdpwssd on (offset, offset) pairs against (bsum, bsum) pairs, and the float scales once
 // per block: per block and activation row, 64 vpdpbusd do 4096 multiply-adds, against 16 per 256 of the
-// row-at-a-time dot (int8dot.h), which stays the kernel of decode, of other ISAs, and of the panel's edges.
+// row-at-a-time dot (int8dot.h), which stays the kernel of decode, of other ISAs, and of the panel's edges. Where AMX
+// runs (amx.h) the same Panels are tdpbsud's weight tiles (amx_rows below). A thread opens up to 8 weight tiles at a
+// time and passes every group of activation rows over all of them, so the activations come from L1 / L2, not L3.
 #pragma once
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
+#include "amx.h"
 #include "int8dot.h"
 #include "int8gemv.h"
 
@@ -100,6 +105,109 @@ inline void panel_group(int64_t mb, const Panel* p, const XBlock* x, int64_t nb,
                                     panel_rows<5, G>, panel_rows<6, G>, panel_rows<7, G>, panel_rows<8, G>};
   by_rows[std::min<int64_t>(mb, 8) - 1](p, x, nb, y, ldy, rows);
 }
+
+#if defined(DELTASERVE_AMX)
+// Prefill on AMX tiles where they run (amx.h): tdpbsud multiplies 16 activation rows' G codes (signed: the Q8_K
+// codes) by a Panel's G codes of 16 weight rows (unsigned, as vpdpbusd takes them: the Panel's q is already a tile
+// of G / 4 rows x 64 bytes) into 16 x 16 int32 sums. A group's sums leave the tile for its scale (a float multiply-add
+// a row: products and sums below 2^24, so each group's sum converts exactly), the offsets and float scales then
+// apply per block as in panel_rows. Four groups run in four sum tiles at a time, so that their products overlap
+// (a product's sums wait ~50 cycles for the unit) and the scaling of one follows the others' products.
+
+// bytes between rows of x's codes: K and a cache line, so that a tile's 16 rows do not share a few L1 sets (rows
+// K = 1024 apart did: the kernel ran at half its rate)
+inline int64_t amx_lda(int64_t K) { return K + 64; }
+
+// x's codes as rows amx_lda(K) bytes apart, round16(M) of them (the last ones zero): tdpbsud's tiles of 16 rows
+inline std::vector<int8_t> amx_codes(const XBlock* xq, int64_t M, int64_t K) {
+  const int64_t nb = K / 256, Mp = (M + 15) / 16 * 16, lda = amx_lda(K);
+  std::vector<int8_t> codes(Mp * lda, 0);
+  at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t m = lo; m < hi; ++m)
+      for (int64_t b = 0; b < nb; ++b) std::memcpy(&codes[m * lda + 256 * b], xq[xblock_at(M, nb, m, b)].q, 256);
+  });
+  return codes;
+}
+
+// y rows m0 .. m0 + mr (mr <= 16, ldy apart; `rows` columns stored) = the weight tile's Panels [nb] . x
+template <int G>
+inline void amx_rows(const Panel* p, const int8_t* codes, const XBlock* xq, int64_t M, int64_t K, int64_t m0,
+                     int64_t mr, float* y, int64_t ldy, int64_t rows) {
+  const int64_t nb = K / 256;
+  alignas(64) int32_t sums[4][16][16];
+  static const XBlock none{};  // the rows past mr: zero sums, zero scale
+  alignas(64) float out[16][16] = {};
+  const int64_t lda = amx_lda(K);
+  const int8_t* a = codes + m0 * lda;
+  auto scale = [&](const int32_t (&s)[16][16], const int32_t* sc, __m512 (&blk)[16]) {
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_load_si512(sc));
+#pragma GCC unroll 16
+    for (int m = 0; m < 16; ++m) blk[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(s[m])), f, blk[m]);
+  };
+  for (int64_t b = 0; b < nb; ++b) {
+    const Panel& pb = p[b];
+    __m512 blk[16];
+    for (int m = 0; m < 16; ++m) blk[m] = _mm512_setzero_ps();
+    for (int i = 0; i < 256 / G; i += 4) {  // four groups in flight, in four sum tiles
+      const int8_t* ai = a + 256 * b + G * i;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      _tile_loadd(4, ai, lda);
+      _tile_loadd(6, pb.q[G / 4 * i], 64);
+      _tile_dpbsud(0, 4, 6);
+      _tile_loadd(5, ai + G, lda);
+      _tile_loadd(7, pb.q[G / 4 * (i + 1)], 64);
+      _tile_dpbsud(1, 5, 7);
+      _tile_loadd(4, ai + 2 * G, lda);
+      _tile_loadd(6, pb.q[G / 4 * (i + 2)], 64);
+      _tile_dpbsud(2, 4, 6);
+      _tile_loadd(5, ai + 3 * G, lda);
+      _tile_loadd(7, pb.q[G / 4 * (i + 3)], 64);
+      _tile_dpbsud(3, 5, 7);
+      _tile_stored(0, sums[0], 64);
+      _tile_stored(1, sums[1], 64);
+      scale(sums[0], pb.sc[i * G / 16], blk);
+      scale(sums[1], pb.sc[(i + 1) * G / 16], blk);
+      _tile_stored(2, sums[2], 64);
+      _tile_stored(3, sums[3], 64);
+      scale(sums[2], pb.sc[(i + 2) * G / 16], blk);
+      scale(sums[3], pb.sc[(i + 3) * G / 16], blk);
+    }
+    const __m512 d = _mm512_load_ps(pb.d), o = _mm512_load_ps(pb.o);
+#pragma GCC unroll 16
+    for (int m = 0; m < 16; ++m) {
+      const XBlock& xb = m < mr ? xq[xblock_at(M, nb, m0 + m, b)] : none;
+      __m512i off = _mm512_setzero_si512();
+      for (int i = 0; i < 8; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, xb.bs + 2 * i, 4);
+        off = _mm512_dpwssd_epi32(off, _mm512_load_si512(pb.off[i]), _mm512_set1_epi32(pair));
+      }
+      const __m512 dx = _mm512_set1_ps(xb.d);
+      __m512 acc = _mm512_fmadd_ps(blk[m], _mm512_mul_ps(d, dx), _mm512_load_ps(out[m]));
+      _mm512_store_ps(out[m], _mm512_fnmadd_ps(_mm512_cvtepi32_ps(off), _mm512_mul_ps(o, dx), acc));
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
+  for (int64_t m = 0; m < mr; ++m) _mm512_mask_storeu_ps(y + m * ldy, keep, _mm512_load_ps(out[m]));
+}
+
+// every 16 activation rows times each opened weight tile's Panels (tile j's at p + j nb, its outputs at columns
+// cols[j].first, cols[j].second of them), on the tiles shaped for groups of G codes: a row tile's codes stay in L1
+// while it passes over the opened weight tiles
+template <int G>
+inline void amx_group(const Panel* p, const std::vector<std::pair<int64_t, int64_t>>& cols, const int8_t* codes,
+                      const XBlock* xq, int64_t M, int64_t K, float* y, int64_t ldy) {
+  static const amx::Config config{{16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, G}, {16, G}, {G / 4, 64}, {G / 4, 64}};
+  const amx::Scope tiles(config);
+  for (int64_t m0 = 0; m0 < M; m0 += 16)
+    for (size_t j = 0; j < cols.size(); ++j)
+      amx_rows<G>(p + j * (K / 256), codes, xq, M, K, m0, std::min<int64_t>(16, M - m0), y + m0 * ldy + cols[j].first,
+                  ldy, cols[j].second);
+}
+#endif
 
 // The Panel of one block of a row panel (panels.h): codes unpacked into element order, scales and offsets of the
 // 16 rows widened, straight from the panel's runs (no row is rebuilt).
@@ -192,28 +300,48 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
     for (int64_t n = seg.first(s); n < pend; n += kPanel) tiles.push_back({s, n, kPanel, true});
     for (int64_t n = pend; n < seg.end(s); n += kPanel) tiles.push_back({s, n, std::min(kPanel, seg.end(s) - n), false});
   }
+#if defined(DELTASERVE_AMX)
+  const bool tiled = amx::enabled();
+  const std::vector<int8_t> codes = tiled ? amx_codes(xq, M, K) : std::vector<int8_t>{};
+#endif
+  constexpr size_t kOpen = 8;  // weight tiles opened at a time: each group of activation rows passes over all of them
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t lo, int64_t hi) {
     std::vector<WBlock> scratch(nb);
-    std::vector<Panel> panels(nb);
+    std::vector<Panel> panels(kOpen * nb);
     q8::Tile32 tile32;
+    std::vector<std::pair<int64_t, int64_t>> open;  // the opened tiles' (first column, columns), all per32 or not
+    bool per32 = false;  // Q4_K, Q5_K, IQ4_XS: scales per 32 (Q2_K, Q3_K, Q6_K: per 16)
+    auto run = [&] {
+#if defined(DELTASERVE_AMX)
+      if (tiled && !open.empty())
+        (per32 ? amx_group<32> : amx_group<16>)(panels.data(), open, codes.data(), xq, M, K, y, N);
+      else
+#endif
+        for (int64_t g = 0; g < M; g += kRows)
+          for (size_t j = 0; j < open.size(); ++j)
+            (per32 ? panel_group<32> : panel_group<16>)(std::min<int64_t>(kRows, M - g), panels.data() + j * nb,
+                                                        xq + g * nb, nb, y + g * N + open[j].first, N, open[j].second);
+      open.clear();
+    };
     for (int64_t t = lo; t < hi; ++t) {
       const Tile& tile = tiles[t];
-      if (q8::block32(seg.type(tile.s))) {
-        tile32.open(seg.type(tile.s), seg.row(base, tile.s, tile.n0, K), K / 32 * layout(seg.type(tile.s)).bytes,
-                    tile.rows, K);
+      const int64_t type = seg.type(tile.s);
+      if (q8::block32(type)) {
+        tile32.open(type, seg.row(base, tile.s, tile.n0, K), K / 32 * layout(type).bytes, tile.rows, K);
         tile32.run(x8, y + tile.n0, N, tile.rows);
         continue;
       }
+      const bool tile32s = type == Q4_K || type == Q5_K || type == IQ4_XS;
+      if (!open.empty() && (tile32s != per32 || open.size() == kOpen)) run();
+      per32 = tile32s;
+      Panel* p = panels.data() + open.size() * nb;
       if (tile.panel)
-        for (int64_t b = 0; b < nb; ++b) open_row_panel(seg.type(tile.s), seg.row(base, tile.s, tile.n0, K), nb, b, panels[b]);
+        for (int64_t b = 0; b < nb; ++b) open_row_panel(type, seg.row(base, tile.s, tile.n0, K), nb, b, p[b]);
       else
-        open_panels(seg, base, tile.n0, tile.rows, K, scratch.data(), panels.data());
-      const int64_t type = seg.type(tile.s);
-      const bool per32 = type == Q4_K || type == Q5_K || type == IQ4_XS;  // (Q2_K, Q3_K, Q6_K: scales per 16)
-      for (int64_t g = 0; g < M; g += kRows)
-        (per32 ? panel_group<32> : panel_group<16>)(std::min<int64_t>(kRows, M - g), panels.data(), xq + g * nb, nb,
-                                                    y + g * N + tile.n0, N, tile.rows);
+        open_panels(seg, base, tile.n0, tile.rows, K, scratch.data(), p);
+      open.emplace_back(tile.n0, tile.rows);
     }
+    run();
   });
 }
 #else
@@ -224,7 +352,8 @@ inline void gemm_panels(const Segments&, const uint8_t*, const XBlock*, const q8
 // which instructions the integer kernels of this build use (the benchmark prints it)
 inline std::string int8_isa() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  return "AVX-512 VNNI: vpdpbusd on 16-row panels, decode straight from the row panels held at load";
+  return std::string(amx::enabled() ? "AMX tiles (tdpbsud) for K-quant prefill, " : "") +
+         "AVX-512 VNNI: vpdpbusd on 16-row panels, decode straight from the row panels held at load";
 #elif defined(__AVX512BW__)
   return "AVX-512 BW: decode from 16-row panels, vpmaddubsw + vpmaddwd";
 #elif defined(__AVXVNNI__)

@@ -63,7 +63,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("probe_fma", &deltaserve::probe_fma, "float32 FMAs per second, all threads (iters, reps)");
   m.def("probe_int8", &deltaserve::probe_int8, "int8 products per second, all threads (iters, reps)");
   m.def("probe_bf16", &deltaserve::probe_bf16, "bfloat16 products per second as the bf16 kernels run them (iters, reps)");
-  m.def("probe_amx_bf16", &deltaserve::probe_amx_bf16, "bfloat16 products per second on AMX tiles, all threads; 0 without AMX");
+  m.def("probe_amx_bf16", &deltaserve::probe_amx<false>, "bfloat16 products per second on AMX tiles, all threads; 0 without AMX");
+  m.def("probe_amx_int8", &deltaserve::probe_amx<true>, "int8 products per second on AMX tiles, all threads; 0 without AMX");
   m.def("amx_enabled", &deltaserve::amx::enabled, "whether the kernels take their AMX paths (built, granted, not turned off)");
   m.def("set_amx", &deltaserve::amx::set_enabled, "ask for the AMX paths (True) or the AVX-512 ones; returns amx_enabled()");
   m.def("probe_read", &deltaserve::probe_read, "bytes read per second, all threads (buf, reps)");

@@ -121,13 +121,15 @@ inline double probe_bf16(int64_t iters, int64_t reps) {
 #endif
 }
 
-// bfloat16 products per second on all threads through AMX tiles (tdpbf16ps on four independent 16 x 16 sums, the
-// inputs held in tiles), as the bf16 prefill GEMM runs them where AMX is on; 0 where it is not
-inline double probe_amx_bf16(int64_t iters, int64_t reps) {
+// products per second on all threads through AMX tiles, four independent 16 x 16 sums a thread with the inputs held
+// in tiles: tdpbf16ps (bfloat16, as the bf16 prefill runs them) or tdpbsud (int8, as the K-quant prefill); 0 where
+// AMX is not on
+template <bool Int8>
+inline double probe_amx(int64_t iters, int64_t reps) {
 #if defined(DELTASERVE_AMX)
   if (!amx::enabled()) return 0.0;
   return per_thread_rate(reps, [&](int64_t) {
-    alignas(64) static const uint16_t zeros[512] = {};  // the unit's rate does not depend on the values
+    alignas(64) static const uint8_t zeros[1024] = {};  // the unit's rate does not depend on the values
     const amx::Scope tiles;
     _tile_zero(0);
     _tile_zero(1);
@@ -138,12 +140,19 @@ inline double probe_amx_bf16(int64_t iters, int64_t reps) {
     _tile_loadd(6, zeros, 64);
     _tile_loadd(7, zeros, 64);
     for (int64_t i = 0; i < iters; ++i) {
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+      if constexpr (Int8) {
+        _tile_dpbsud(0, 4, 6);
+        _tile_dpbsud(1, 4, 7);
+        _tile_dpbsud(2, 5, 6);
+        _tile_dpbsud(3, 5, 7);
+      } else {
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
     }
-    return 2.0 * 16 * 16 * 32 * 4 * iters;
+    return 2.0 * 16 * 16 * (Int8 ? 64 : 32) * 4 * iters;
   });
 #else
   (void)iters, (void)reps;
