@@ -105,14 +105,8 @@ def kernel_rates() -> list[dict]:
         rows.append(_decode_row("linear_int8 decode", qtype.name, t, mats[0].nbytes, shares))
         w = _matrix(qtype, N, _HIDDEN)
         xs, ys = torch.randn(M, _HIDDEN), torch.empty(M, N)
-        amx = ext.amx_enabled()
-        for tiles in ([True, False] if amx else [False]):  # where AMX runs, the VNNI path beside it
-            ext.set_amx(tiles)
-            t = _best(lambda: ext.linear_int8(xs, w, w.packing.table, ys))
-            rows.append(dict(kernel="linear_int8 prefill" + (" AMX" if tiles else ""), format=qtype.name,
-                             shape=f"{M}x{N}x{_HIDDEN}", seconds=t, rate=2 * M * N * _HIDDEN / t / 1e9, unit="GOP/s",
-                             peak="amx_int8_gops" if tiles else "int8_gops"))
-        ext.set_amx(amx)
+        rows += _prefill_rows(ext, "linear_int8", qtype.name, lambda: ext.linear_int8(xs, w, w.packing.table, ys),
+                              M, N, "GOP/s", "int8_gops", "amx_int8_gops")
     if ext.q8_int8():
         rows += _q8_rates(ext, M, N)
     rows += _bf16_rates(ext, M, N)
@@ -169,14 +163,23 @@ def _bf16_rates(ext, M: int, N: int) -> list[dict]:
     shares = _thread_rate([lambda w=w: ext.linear_bf16_shares(x, w, y, True) for w in mats * 3], 2 * _HIDDEN)
     out = [_decode_row("linear_bf16 decode", "BF16", t, mats[0].nbytes, shares)]
     w, xs, ys = matrix(N, 0), torch.randn(M, _HIDDEN), torch.empty(M, N)
-    amx = ext.amx_enabled()
-    for tiles in ([True, False] if amx else [False]):  # where AMX runs, the AVX-512 path beside it
-        ext.set_amx(tiles)
-        t = _best(lambda: ext.linear_bf16(xs, w, ys, True))
-        out.append(dict(kernel="linear_bf16 prefill" + (" AMX" if tiles else ""), format="BF16",
-                        shape=f"{M}x{N}x{_HIDDEN}", seconds=t, rate=2 * M * N * _HIDDEN / t / 1e9, unit="GFLOP/s",
-                        peak="amx_bf16_gflops" if tiles else "bf16_gflops"))
-    ext.set_amx(amx)
+    return out + _prefill_rows(ext, "linear_bf16", "BF16", lambda: ext.linear_bf16(xs, w, ys, True), M, N, "GFLOP/s",
+                               "bf16_gflops", "amx_bf16_gflops")
+
+
+def _prefill_rows(ext, kernel: str, fmt: str, call, M: int, N: int, unit: str, peak: str, amx_peak: str) -> list[dict]:
+    """A prefill GEMM's row (M x N x _HIDDEN, call() runs it), and where AMX runs its tiles' row first (against the
+    tiles' peak), the registers' path beside it on the same machine."""
+    amx, out = ext.amx_enabled(), []
+    try:
+        for tiles in ([True, False] if amx else [False]):
+            ext.set_amx(tiles)
+            t = _best(call)
+            out.append(dict(kernel=f"{kernel} prefill" + (" AMX" if tiles else ""), format=fmt,
+                            shape=f"{M}x{N}x{_HIDDEN}", seconds=t, rate=2 * M * N * _HIDDEN / t / 1e9, unit=unit,
+                            peak=amx_peak if tiles else peak))
+    finally:
+        ext.set_amx(amx)
     return out
 
 
