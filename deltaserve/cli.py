@@ -242,12 +242,18 @@ def cmd_bench(args):
 def cmd_make_model(args):
     from deltaserve.convert import make_model
 
-    def progress(line: str) -> None:
-        print(f"\r{line}", end="", file=sys.stderr, flush=True)
+    tty, last = sys.stderr.isatty(), []
+
+    def progress(line: str) -> None:  # rewritten in place on a terminal; a log gets only the last line
+        if tty:
+            print(f"\r{line}", end="", file=sys.stderr, flush=True)
+        last[:] = [line]
 
     made = make_model(args.arch, args.preset, args.dtype, args.out, seed=args.seed, hf_dir=args.hf_dir,
                       progress=progress, quantize=args.quantize, mtp=args.mtp)
     size = made.gguf_path.stat().st_size
+    if last and not tty:
+        print(last[0], end="", file=sys.stderr)
     print(f"\nwrote {made.gguf_path} ({size / 2**20:.1f} MiB, vocab {made.config.vocab_size})"
           + (f" and {made.hf_dir}" if made.hf_dir else ""), file=sys.stderr)
     if args.quantize:

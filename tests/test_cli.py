@@ -154,6 +154,8 @@ def test_make_model_writes_what_the_maker_writes(tmp_path):
     done = deltaserve("make-model", "--arch", "qwen35", "--dtype", "f32", "--seed", "3", tmp_path / "cli.gguf")
     assert done.returncode == 0, done.stderr
     assert f"wrote {tmp_path / 'cli.gguf'}" in done.stderr
+    # stderr is a pipe here, not a terminal: only the last progress line, not one rewritten per tensor
+    assert "\r" not in done.stderr and done.stderr.count(" tensors, ") == 1, done.stderr
     convert.make_model("qwen35", "tiny", "f32", tmp_path / "api.gguf", seed=3)
     assert (tmp_path / "cli.gguf").read_bytes() == (tmp_path / "api.gguf").read_bytes()
 
