@@ -144,10 +144,8 @@ def _q8_rates(ext, M: int, N: int) -> list[dict]:
     out = [_decode_row("linear_q8_int8 decode", "Q8_0", t, nbytes, shares)]
     w = _q8_matrix(N, _HIDDEN)
     xs, ys = torch.randn(M, _HIDDEN), torch.empty(M, N)
-    t = _best(lambda: ext.linear_q8_int8(xs, w, w.scale, ys))
-    out.append(dict(kernel="linear_q8_int8 prefill", format="Q8_0", shape=f"{M}x{N}x{_HIDDEN}", seconds=t,
-                    rate=2 * M * N * _HIDDEN / t / 1e9, unit="GOP/s", peak="int8_gops"))
-    return out
+    return out + _prefill_rows(ext, "linear_q8_int8", "Q8_0", lambda: ext.linear_q8_int8(xs, w, w.scale, ys), M, N,
+                               "GOP/s", "int8_gops", "amx_int8_gops")
 
 
 def _bf16_rates(ext, M: int, N: int) -> list[dict]:

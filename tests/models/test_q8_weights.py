@@ -86,12 +86,13 @@ int8_kernels = pytest.mark.skipif(not (fused.available() and fused.extension().q
 
 
 # decode: a row at a time for up to 8 activation rows (K = 96: a pair of blocks and one alone); above, tiles of
-# 16 weight rows (37 rows: two full, one of 5)
+# 16 weight rows (37 rows: two full, one of 5), on AMX tiles (16 activation rows a tile: 40 = two and 8; blocks 4 at
+# a time, K = 96 and 544 leave 3 and 1) and on the AVX-512 registers
 @int8_kernels
 @pytest.mark.parametrize("K", [96, 544], ids=lambda k: f"K{k}")
 @pytest.mark.parametrize("out_rows", [1, 37], ids=lambda n: f"out{n}")
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 40], ids=lambda r: f"rows{r}")
-def test_int8_kernels_match_the_rounded_activations(rows, out_rows, K):
+def test_int8_kernels_match_the_rounded_activations(rows, out_rows, K, prefill_path):
     w, _ = q8_values(max(out_rows, 2), K, seed=rows + K)
     w = w[:out_rows].contiguous()
     p = quantize_q8(w)
@@ -108,6 +109,27 @@ def test_int8_kernels_match_the_rounded_activations(rows, out_rows, K):
     # and within half a step of every activation of the exact product
     step = torch.from_numpy(np.repeat(np.abs(x.numpy()).reshape(rows, -1, 32).max(-1) / 127, 32, axis=1))
     assert torch.all((y.double() - x.double() @ w.double().T).abs() <= 0.5 * step.double() @ w.double().abs().T + bound)
+
+
+@int8_kernels
+@pytest.mark.parametrize("M, N, K", [(40, 37, 544), (17, 64, 96), (33, 200, 1024)], ids=str)
+def test_amx_tiles_give_the_registers_bits(M, N, K):
+    """The prefill on AMX tiles forms the same integer sums per block and the same float operations as the AVX-512
+    path: the same bits, whatever the rows past a tile's 16 (M = 17, 33) and the blocks past a multiple of 4."""
+    ext = fused.extension()
+    if not ext.set_amx(True):
+        pytest.skip("no AMX tiles here (a build without them, or Linux did not grant this process their state)")
+    w, _ = q8_values(N, K, seed=M)
+    p = quantize_q8(w)
+    x = torch.randn(M, K) * 2
+    tiles, registers = torch.empty(M, N), torch.empty(M, N)
+    try:
+        ext.linear_q8_int8(x, p, p.scale, tiles)
+        ext.set_amx(False)
+        ext.linear_q8_int8(x, p, p.scale, registers)
+    finally:
+        ext.set_amx(True)
+    assert torch.equal(tiles, registers)
 
 
 @int8_kernels

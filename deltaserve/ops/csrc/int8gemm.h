@@ -353,7 +353,7 @@ inline void gemm_panels(const Segments&, const uint8_t*, const XBlock*, const q8
 // which instructions the integer kernels of this build use (the benchmark prints it)
 inline std::string int8_isa() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  return std::string(amx::enabled() ? "AMX tiles (tdpbsud) for K-quant prefill, " : "") +
+  return std::string(amx::enabled() ? "AMX tiles (tdpbsud) for K-quant and Q8_0 prefill, " : "") +
          "AVX-512 VNNI: vpdpbusd on 16-row panels, decode straight from the row panels held at load";
 #elif defined(__AVX512BW__)
   return "AVX-512 BW: decode from 16-row panels, vpmaddubsw + vpmaddwd";

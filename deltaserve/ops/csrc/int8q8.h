@@ -9,7 +9,8 @@
 // Decode (M <= kQ8Rows): a row at a time, 64 weights a vpdpbusd, the two blocks' float factors per lane from a
 // permute of 16 weight scales and the activation scales stored 8 to a block. Prefill: tiles of 16 rows
 // interleaved per call into 4-byte runs, each vpdpbusd multiplying 4 weights of 16 rows by 4 broadcast
-// activations (int32 lane per row), a block's float factors once per 32 (int8gemm.h's scheme for K-quants).
+// activations (int32 lane per row), a block's float factors once per 32 (int8gemm.h's scheme for K-quants); where
+// AMX runs, the same tiles of 16 rows are tdpbsud's weight tiles (q8_amx_rows: the same bits).
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -21,6 +22,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "gemv.h"
 #include "int8dot.h"
 #include "shares.h"
@@ -30,7 +32,7 @@ namespace q8 {
 
 constexpr int64_t kQ8Rows = 8;  // activation rows per pass in decode
 
-// x [M, K] rounded to Q8_0: q [M, K]; per block of 32: d (float16 value as float), start = -128 sum(q); per 4
+// x [M, K] rounded to Q8_0: q [M, K] (then zero rows to a multiple of 16); per block of 32: d (float16 value as float), start = -128 sum(q); per 4
 // (a vpdpbusd lane): starts = -128 sum(q), so that each lane's sum is its own exact dot (offsets summed in other
 // lanes would cancel only after rounding); dl: each block's d 8 times (its lanes in a vpdpbusd of 64 weights)
 // (the divisions as llama.cpp's C makes them: -ffast-math would take x * (1 / 127) for x / 127, a different float)
@@ -44,7 +46,9 @@ struct Q8Acts {
 
   void quantize(const float* x, int64_t rows, int64_t cols) {
     M = rows, K = cols, nb = cols / 32;
-    q.resize(M * K), d.resize(M * nb), dl.resize(M * nb * 8), start.resize(M * nb), starts.resize(M * nb * 8);
+    const int64_t padded = (M + 15) / 16 * 16;  // whole tiles of 16 rows for tdpbsud (q8_amx_rows); the rest zero
+    q.resize(padded * K), d.resize(M * nb), dl.resize(M * nb * 8), start.resize(M * nb), starts.resize(M * nb * 8);
+    std::fill(q.begin() + M * K, q.end(), int8_t{0});
     at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
       for (int64_t m = lo; m < hi; ++m)
         for (int64_t k = 0; k < nb; ++k) block(x + m * K + 32 * k, m * nb + k, q.data() + m * K + 32 * k);
@@ -251,6 +255,70 @@ inline void q8_tile_rows(int64_t mb, const Q8Tile& t, const Q8Acts& a, int64_t m
     default: return q8_tile<8>(t, a, m0, y, ldy, rows);
   }
 }
+#if defined(DELTASERVE_AMX)
+// Prefill on AMX tiles where they run (amx.h): tdpbsud multiplies 16 activation rows' codes of a block (signed) by a
+// weight tile's 16 rows' codes (sign bit flipped: Q8Tile's q is already tdpbsud's weight tile, 8 rows x 64 bytes a
+// block) into 16 x 16 int32 sums; each block's sums leave the tile for its offset and scales, the same integer sums
+// and float operations as q8_tile (the same bits). A block's activations, loaded once, go to up to kQ8AmxTiles weight
+// tiles in as many sum tiles (activations are read from L2 once per 64 weight rows, not per 16). Tiles: sums 0 .. 3,
+// activations 4 (16 x 32 bytes), weights 6, 7 (8 x 64 bytes).
+constexpr int kQ8AmxTiles = 4;
+
+// y rows m0 .. m0 + mr (mr <= 16, ldy apart) at the columns of weight tiles w[0 .. nt) (16 each; `last` in the last).
+// Block k's tile products are issued before block k - 1's sums are scaled, so that the products run meanwhile.
+inline void q8_amx_rows(const Q8Tile* w, int nt, const Q8Acts& a, int64_t m0, int64_t mr, float* y, int64_t ldy,
+                        int64_t last) {
+  const int64_t nb = a.nb, K = a.K;
+  alignas(64) int32_t sums[2][kQ8AmxTiles][16][16];  // blocks k and k - 1
+  alignas(64) float out[kQ8AmxTiles][16][16];
+  const int8_t* x = a.q.data() + m0 * K;
+  auto scale = [&](int64_t k) {
+    const auto& s = sums[k & 1];
+    for (int j = 0; j < nt; ++j) {
+      const __m512 dw = _mm512_loadu_ps(w[j].dw.data() + 16 * k);
+      for (int64_t m = 0; m < mr; ++m) {
+        const int64_t at = (m0 + m) * nb + k;
+        const __m512i sum = _mm512_add_epi32(_mm512_load_si512(s[j][m]), _mm512_set1_epi32(a.start[at]));
+        const __m512 before = k ? _mm512_load_ps(out[j][m]) : _mm512_setzero_ps();
+        _mm512_store_ps(out[j][m], _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[at])),
+                                                   before));
+      }
+    }
+  };
+  for (int64_t k = 0; k < nb; ++k) {
+    _tile_loadd(4, x + 32 * k, K);
+    _tile_zero(0);  // (tile numbers are immediates: each tile written out)
+    _tile_loadd(6, w[0].q.data() + 8 * 64 * k, 64);
+    _tile_dpbsud(0, 4, 6);
+    if (nt > 1) {
+      _tile_zero(1);
+      _tile_loadd(7, w[1].q.data() + 8 * 64 * k, 64);
+      _tile_dpbsud(1, 4, 7);
+    }
+    if (nt > 2) {
+      _tile_zero(2);
+      _tile_loadd(6, w[2].q.data() + 8 * 64 * k, 64);
+      _tile_dpbsud(2, 4, 6);
+    }
+    if (nt > 3) {
+      _tile_zero(3);
+      _tile_loadd(7, w[3].q.data() + 8 * 64 * k, 64);
+      _tile_dpbsud(3, 4, 7);
+    }
+    if (k) scale(k - 1);
+    auto& s = sums[k & 1];
+    _tile_stored(0, s[0], 64);
+    if (nt > 1) _tile_stored(1, s[1], 64);
+    if (nt > 2) _tile_stored(2, s[2], 64);
+    if (nt > 3) _tile_stored(3, s[3], 64);
+  }
+  scale(nb - 1);
+  for (int j = 0; j < nt; ++j) {
+    const __mmask16 keep = static_cast<__mmask16>((1u << (j + 1 < nt ? 16 : last)) - 1);
+    for (int64_t m = 0; m < mr; ++m) _mm512_mask_storeu_ps(y + m * ldy + 16 * j, keep, _mm512_load_ps(out[j][m]));
+  }
+}
+#endif
 #else
 constexpr bool kQ8Int8 = false;
 // (kq::int8_type takes Q8_0 rows only where the kernels above are built)
@@ -286,6 +354,26 @@ inline void linear_q8_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale
     });
     return;
   }
+#if defined(DELTASERVE_AMX)
+  if (amx::enabled()) {
+    const int64_t tiles = (N + 15) / 16;
+    at::parallel_for(0, (tiles + kQ8AmxTiles - 1) / kQ8AmxTiles, 1, [&](int64_t lo, int64_t hi) {
+      static const amx::Config config{{16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 32}, {16, 32}, {8, 64}, {8, 64}};
+      const amx::Scope scope(config);
+      Q8Tile w[kQ8AmxTiles];
+      for (int64_t g = lo; g < hi; ++g) {
+        const int nt = static_cast<int>(std::min<int64_t>(kQ8AmxTiles, tiles - g * kQ8AmxTiles));
+        const int64_t n0 = 16 * kQ8AmxTiles * g;
+        for (int j = 0; j < nt; ++j)
+          w[j].open(wp + (n0 + 16 * j) * K, sp + (n0 + 16 * j) * nb, std::min<int64_t>(16, N - n0 - 16 * j), K);
+        const int64_t last = std::min<int64_t>(16, N - n0 - 16 * (nt - 1));
+        for (int64_t m0 = 0; m0 < M; m0 += 16)
+          q8_amx_rows(w, nt, a, m0, std::min<int64_t>(16, M - m0), yp + m0 * N + n0, N, last);
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t lo, int64_t hi) {
     Q8Tile tile;
     for (int64_t t = lo; t < hi; ++t) {
