@@ -32,9 +32,10 @@ namespace q8 {
 
 constexpr int64_t kQ8Rows = 8;  // activation rows per pass in decode
 
-// x [M, K] rounded to Q8_0: q [M, K] (then zero rows to a multiple of 16); per block of 32: d (float16 value as float), start = -128 sum(q); per 4
-// (a vpdpbusd lane): starts = -128 sum(q), so that each lane's sum is its own exact dot (offsets summed in other
-// lanes would cancel only after rounding); dl: each block's d 8 times (its lanes in a vpdpbusd of 64 weights)
+// x [M, K] rounded to Q8_0: q [M, K] (and zero rows to a multiple of 16); per block of 32: d (float16 value as
+// float), start = -128 sum(q); per 4 (a vpdpbusd lane): starts = -128 sum(q), so that each lane's sum is its own exact
+// dot (offsets summed in other lanes would cancel only after rounding); dl: each block's d 8 times (its lanes in a
+// vpdpbusd of 64 weights)
 // (the divisions as llama.cpp's C makes them: -ffast-math would take x * (1 / 127) for x / 127, a different float)
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
@@ -260,7 +261,7 @@ inline void q8_tile_rows(int64_t mb, const Q8Tile& t, const Q8Acts& a, int64_t m
 // weight tile's 16 rows' codes (sign bit flipped: Q8Tile's q is already tdpbsud's weight tile, 8 rows x 64 bytes a
 // block) into 16 x 16 int32 sums; each block's sums leave the tile for its offset and scales, the same integer sums
 // and float operations as q8_tile (the same bits). A block's activations, loaded once, go to up to kQ8AmxTiles weight
-// tiles in as many sum tiles (activations are read from L2 once per 64 weight rows, not per 16). Tiles: sums 0 .. 3,
+// tiles in as many sum tiles (the activations read once per 64 weight rows, not per 16). Tiles: sums 0 .. 3,
 // activations 4 (16 x 32 bytes), weights 6, 7 (8 x 64 bytes).
 constexpr int kQ8AmxTiles = 4;
 
