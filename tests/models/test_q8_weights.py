@@ -86,8 +86,8 @@ int8_kernels = pytest.mark.skipif(not (fused.available() and fused.extension().q
 
 
 # decode: a row at a time for up to 8 activation rows (K = 96: a pair of blocks and one alone); above, tiles of
-# 16 weight rows (37 rows: two full, one of 5), on AMX tiles (16 activation rows a tile: 40 = two and 8; blocks 4 at
-# a time, K = 96 and 544 leave 3 and 1) and on the AVX-512 registers
+# 16 weight rows (37 rows: two full, one of 5), on AMX tiles (16 activation rows a tile: 40 = two and 8; weight
+# tiles 4 to a group: 37 rows = one group of 3) and on the AVX-512 registers
 @int8_kernels
 @pytest.mark.parametrize("K", [96, 544], ids=lambda k: f"K{k}")
 @pytest.mark.parametrize("out_rows", [1, 37], ids=lambda n: f"out{n}")
@@ -115,7 +115,8 @@ def test_int8_kernels_match_the_rounded_activations(rows, out_rows, K, prefill_p
 @pytest.mark.parametrize("M, N, K", [(40, 37, 544), (17, 64, 96), (33, 200, 1024)], ids=str)
 def test_amx_tiles_give_the_registers_bits(M, N, K):
     """The prefill on AMX tiles forms the same integer sums per block and the same float operations as the AVX-512
-    path: the same bits, whatever the rows past a tile's 16 (M = 17, 33) and the blocks past a multiple of 4."""
+    path: the same bits, whatever the rows past a tile's 16 (M = 17, 33) and a last group of fewer than 4 weight
+    tiles (N = 37: 3, the last of 5 rows; N = 200: 13 tiles, the last of 8)."""
     ext = fused.extension()
     if not ext.set_amx(True):
         pytest.skip("no AMX tiles here (a build without them, or Linux did not grant this process their state)")
