@@ -95,7 +95,7 @@ def test_mixed_types_zero_rows_and_outliers(rows, panels, prefill_path):
     ([(Q.Q8_0, 21), (Q.Q4_K, 37), (Q.Q6_K, 5), (Q.Q8_0, 3), (Q.Q5_K, 16)], 512, True),
     ([(Q.Q8_0, 21), (Q.Q8_0, 3)], 544, False),  # 17 blocks of 32: a lone block ends each row
 ])
-def test_q8_0_rows_beside_k_quants(rows, segments, K, panels):
+def test_q8_0_rows_beside_k_quants(rows, segments, K, panels, prefill_path):
     """A projection of Q8_0 runs between K-quant rows (a MoE Q4_K_M file's attention inputs), as decode (up to 8
     activation rows) and prefill see it: the Q8_0 rows, read where they lie, take activations rounded per 32
     (llama.cpp's Q8_0), the others per 256 (Q8_K), each within float32 rounding of its own float64 reference."""
@@ -113,12 +113,14 @@ def test_q8_0_rows_beside_k_quants(rows, segments, K, panels):
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
 @pytest.mark.parametrize("qtype", BLOCK32, ids=lambda t: t.name)
-def test_32_weight_blocks(qtype, rows):
+@pytest.mark.parametrize("out_rows", [37, 83], ids=lambda n: f"out{n}")  # tiles of 16: 2 + 5 rows; 5 + 3 rows
+def test_32_weight_blocks(qtype, rows, out_rows, prefill_path):
     """Q4_0, Q4_1, Q5_0, Q5_1 (and Q8_0) matrices as decode (up to 8 activation rows) and prefill multiply them:
     activations rounded per 32 (llama.cpp's Q8_0), the _1 types' offsets times the rounded block sums; within
-    float32 rounding of the float64 product of gguf-py's weights and the rounded activations."""
+    float32 rounding of the float64 product of gguf-py's weights and the rounded activations. On AMX tiles the
+    prefill takes 4 weight tiles at a time (83 rows: 4, then 2 with the last of 3)."""
     K = 544  # 17 blocks: an odd one ends each row
-    w, ref = packed_matrix([(qtype, 37)], K, seed=int(qtype) + rows)
+    w, ref = packed_matrix([(qtype, out_rows)], K, seed=int(qtype) + rows)
     assert packed.uses_int8(w)
     x = torch.randn(rows, K) * torch.rand(rows, 1) * 4
     x[-1, :32] = 0  # a block of zeros: its scale 0

@@ -309,7 +309,16 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t lo, int64_t hi) {
     std::vector<WBlock> scratch(nb);
     std::vector<Panel> panels(kOpen * nb);
-    q8::Tile32 tile32;
+    q8::Tile32 tile32[q8::kQ8AmxTiles];
+    int n32 = 0;  // (AMX) tiles opened in tile32 and not yet run: adjacent columns from first32, the last `last32` wide
+    int64_t first32 = 0, last32 = 0;
+    auto run32 = [&] {
+#if defined(DELTASERVE_AMX)
+      const q8::Tile32* const t[q8::kQ8AmxTiles] = {&tile32[0], &tile32[1], &tile32[2], &tile32[3]};
+      if (n32) q8::run_amx(t, n32, x8, y + first32, N, last32);
+#endif
+      n32 = 0;
+    };
     std::vector<std::pair<int64_t, int64_t>> open;  // the opened tiles' (first column, columns), all per32 or not
     bool per32 = false;  // Q4_K, Q5_K, IQ4_XS: scales per 32 (Q2_K, Q3_K, Q6_K: per 16)
     auto run = [&] {
@@ -328,8 +337,19 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
       const Tile& tile = tiles[t];
       const int64_t type = seg.type(tile.s);
       if (q8::block32(type)) {
-        tile32.open(type, seg.row(base, tile.s, tile.n0, K), K / 32 * layout(type).bytes, tile.rows, K);
-        tile32.run(x8, y + tile.n0, N, tile.rows);
+        const uint8_t* rows = seg.row(base, tile.s, tile.n0, K);
+        const int64_t row_bytes = K / 32 * layout(type).bytes;
+#if defined(DELTASERVE_AMX)
+        if (tiled) {  // 4 adjacent tiles at a time: one tile per activation load measured slower than the registers
+          if (n32 && (n32 == q8::kQ8AmxTiles || tile.n0 != first32 + 16 * n32)) run32();
+          if (!n32) first32 = tile.n0;
+          tile32[n32++].open(type, rows, row_bytes, tile.rows, K);
+          last32 = tile.rows;
+          continue;
+        }
+#endif
+        tile32[0].open(type, rows, row_bytes, tile.rows, K);
+        tile32[0].run(x8, y + tile.n0, N, tile.rows);
         continue;
       }
       const bool tile32s = type == Q4_K || type == Q5_K || type == IQ4_XS;
@@ -343,6 +363,7 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
       open.emplace_back(tile.n0, tile.rows);
     }
     run();
+    run32();
   });
 }
 #else

@@ -2,7 +2,8 @@
 // the arithmetic llama.cpp runs on these files. Each block's codes open into int8, exact: q - 8 (Q4_0), q - 16
 // (Q5_0), q (the _1 types, whose offset m then adds m dx sum(qx) per block, from the rounded activations). Decode
 // reads a row's blocks straight into registers (legacy_row); prefill opens 16 rows at a time into a Q8Tile for
-// int8q8.h's GEMM. Q8_0 rows beside them are read where they lie.
+// int8q8.h's GEMM (on AMX tiles where they run, 4 such tiles at a time: run_amx). Q8_0 rows beside them are read
+// where they lie.
 #pragma once
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -188,11 +189,28 @@ struct Tile32 {
   // y[r][0 .. rows) (stride ldy) for every activation row r of a
   void run(const Q8Acts& a, float* y, int64_t ldy, int64_t rows) const {
     for (int64_t g = 0; g < a.M; g += kQ8Rows) q8_tile_rows(std::min(kQ8Rows, a.M - g), tile, a, g, y, ldy, rows);
+    add_offsets(a, y, ldy, rows);
+  }
+
+  // the _1 types' m dx sum(qx) per block, added to y (nothing for the others)
+  void add_offsets(const Q8Acts& a, float* y, int64_t ldy, int64_t rows) const {
     if (offsets_)
       for (int64_t r = 0; r < a.M; ++r)
         for (int64_t n = 0; n < rows; ++n) y[r * ldy + n] += offsets(m.data() + n * a.nb, a, r);
   }
 };
+
+#if defined(DELTASERVE_AMX)
+// up to kQ8AmxTiles opened tiles whose columns lie 16 apart from y's first (the last one `last` wide), run as one on
+// AMX tiles (int8q8.h q8_amx_rows: a block's activations loaded once for all of them)
+inline void run_amx(const Tile32* const* t, int nt, const Q8Acts& a, float* y, int64_t ldy, int64_t last) {
+  const amx::Scope scope(kQ8AmxConfig);
+  const Q8Tile* w[kQ8AmxTiles];
+  for (int j = 0; j < nt; ++j) w[j] = &t[j]->tile;
+  for (int64_t g = 0; g < a.M; g += 16) q8_amx_rows(w, nt, a, g, std::min<int64_t>(16, a.M - g), y + g * ldy, ldy, last);
+  for (int j = 0; j < nt; ++j) t[j]->add_offsets(a, y + 16 * j, ldy, j + 1 < nt ? 16 : last);
+}
+#endif
 #else
 // (kq::int8_type takes these types only where the kernels above are built)
 inline void rows32(int64_t, int64_t, const uint8_t*, const Q8Acts&, float*) {

@@ -256,6 +256,8 @@ inline void q8_tile_rows(int64_t mb, const Q8Tile& t, const Q8Acts& a, int64_t m
     default: return q8_tile<8>(t, a, m0, y, ldy, rows);
   }
 }
+constexpr int kQ8AmxTiles = 4;  // weight tiles a block's activations go to (q8_amx_rows)
+
 #if defined(DELTASERVE_AMX)
 // Prefill on AMX tiles where they run (amx.h): tdpbsud multiplies 16 activation rows' codes of a block (signed) by a
 // weight tile's 16 rows' codes (sign bit flipped: Q8Tile's q is already tdpbsud's weight tile, 8 rows x 64 bytes a
@@ -263,11 +265,11 @@ inline void q8_tile_rows(int64_t mb, const Q8Tile& t, const Q8Acts& a, int64_t m
 // and float operations as q8_tile (the same bits). A block's activations, loaded once, go to up to kQ8AmxTiles weight
 // tiles in as many sum tiles (the activations read once per 64 weight rows, not per 16). Tiles: sums 0 .. 3,
 // activations 4 (16 x 32 bytes), weights 6, 7 (8 x 64 bytes).
-constexpr int kQ8AmxTiles = 4;
+inline const amx::Config kQ8AmxConfig{{16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 32}, {16, 32}, {8, 64}, {8, 64}};
 
 // y rows m0 .. m0 + mr (mr <= 16, ldy apart) at the columns of weight tiles w[0 .. nt) (16 each; `last` in the last).
 // Block k's tile products are issued before block k - 1's sums are scaled, so that the products run meanwhile.
-inline void q8_amx_rows(const Q8Tile* w, int nt, const Q8Acts& a, int64_t m0, int64_t mr, float* y, int64_t ldy,
+inline void q8_amx_rows(const Q8Tile* const* w, int nt, const Q8Acts& a, int64_t m0, int64_t mr, float* y, int64_t ldy,
                         int64_t last) {
   const int64_t nb = a.nb, K = a.K;
   alignas(64) int32_t sums[2][kQ8AmxTiles][16][16];  // blocks k and k - 1
@@ -276,7 +278,7 @@ inline void q8_amx_rows(const Q8Tile* w, int nt, const Q8Acts& a, int64_t m0, in
   auto scale = [&](int64_t k) {
     const auto& s = sums[k & 1];
     for (int j = 0; j < nt; ++j) {
-      const __m512 dw = _mm512_loadu_ps(w[j].dw.data() + 16 * k);
+      const __m512 dw = _mm512_loadu_ps(w[j]->dw.data() + 16 * k);
       for (int64_t m = 0; m < mr; ++m) {
         const int64_t at = (m0 + m) * nb + k;
         const __m512i sum = _mm512_add_epi32(_mm512_load_si512(s[j][m]), _mm512_set1_epi32(a.start[at]));
@@ -289,21 +291,21 @@ inline void q8_amx_rows(const Q8Tile* w, int nt, const Q8Acts& a, int64_t m0, in
   for (int64_t k = 0; k < nb; ++k) {
     _tile_loadd(4, x + 32 * k, K);
     _tile_zero(0);  // (tile numbers are immediates: each tile written out)
-    _tile_loadd(6, w[0].q.data() + 8 * 64 * k, 64);
+    _tile_loadd(6, w[0]->q.data() + 8 * 64 * k, 64);
     _tile_dpbsud(0, 4, 6);
     if (nt > 1) {
       _tile_zero(1);
-      _tile_loadd(7, w[1].q.data() + 8 * 64 * k, 64);
+      _tile_loadd(7, w[1]->q.data() + 8 * 64 * k, 64);
       _tile_dpbsud(1, 4, 7);
     }
     if (nt > 2) {
       _tile_zero(2);
-      _tile_loadd(6, w[2].q.data() + 8 * 64 * k, 64);
+      _tile_loadd(6, w[2]->q.data() + 8 * 64 * k, 64);
       _tile_dpbsud(2, 4, 6);
     }
     if (nt > 3) {
       _tile_zero(3);
-      _tile_loadd(7, w[3].q.data() + 8 * 64 * k, 64);
+      _tile_loadd(7, w[3]->q.data() + 8 * 64 * k, 64);
       _tile_dpbsud(3, 4, 7);
     }
     if (k) scale(k - 1);
@@ -359,9 +361,9 @@ inline void linear_q8_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale
   if (amx::enabled()) {
     const int64_t tiles = (N + 15) / 16;
     at::parallel_for(0, (tiles + kQ8AmxTiles - 1) / kQ8AmxTiles, 1, [&](int64_t lo, int64_t hi) {
-      static const amx::Config config{{16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 32}, {16, 32}, {8, 64}, {8, 64}};
-      const amx::Scope scope(config);
+      const amx::Scope scope(kQ8AmxConfig);
       Q8Tile w[kQ8AmxTiles];
+      const Q8Tile* const tiles_of[kQ8AmxTiles] = {&w[0], &w[1], &w[2], &w[3]};
       for (int64_t g = lo; g < hi; ++g) {
         const int nt = static_cast<int>(std::min<int64_t>(kQ8AmxTiles, tiles - g * kQ8AmxTiles));
         const int64_t n0 = 16 * kQ8AmxTiles * g;
@@ -369,7 +371,7 @@ inline void linear_q8_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale
           w[j].open(wp + (n0 + 16 * j) * K, sp + (n0 + 16 * j) * nb, std::min<int64_t>(16, N - n0 - 16 * j), K);
         const int64_t last = std::min<int64_t>(16, N - n0 - 16 * (nt - 1));
         for (int64_t m0 = 0; m0 < M; m0 += 16)
-          q8_amx_rows(w, nt, a, m0, std::min<int64_t>(16, M - m0), yp + m0 * N + n0, N, last);
+          q8_amx_rows(tiles_of, nt, a, m0, std::min<int64_t>(16, M - m0), yp + m0 * N + n0, N, last);
       }
     });
     return;
