@@ -111,6 +111,25 @@ def test_q8_0_rows_beside_k_quants(rows, segments, K, panels, prefill_path):
         assert_int8_matmul(y[:, ~q8], x, ref[~q8])
 
 
+def test_a_short_tile_of_32_weight_blocks_ends_its_group(prefill_path):
+    """Q8_0 rows 0..20 (a tile of 16, one of 5), K-quant rows 21..31, Q8_0 rows from 32: the third Q8_0 tile starts
+    16 rows after the second, which is short; grouped with it, the second tile's unused columns would overwrite the
+    K-quant rows (one thread, so that one thread takes all the tiles)."""
+    segments = [(Q.Q8_0, 21), (Q.Q4_K, 11), (Q.Q8_0, 20)]
+    w, ref = packed_matrix(segments, 512, seed=3)
+    x = torch.randn(40, 512)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        y = linear(x, w).double()
+    finally:
+        torch.set_num_threads(threads)
+    q8 = torch.cat([torch.full((n,), t == Q.Q8_0) for t, n in segments])
+    xq8 = q8_0_rounded(x)
+    assert torch.all((y[:, q8] - xq8 @ ref[q8].T).abs() <= 1e-5 * (xq8.abs() @ ref[q8].abs().T) + 1e-30)
+    assert_int8_matmul(y[:, ~q8], x, ref[~q8])
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
 @pytest.mark.parametrize("qtype", BLOCK32, ids=lambda t: t.name)
 @pytest.mark.parametrize("out_rows", [37, 83], ids=lambda n: f"out{n}")  # tiles of 16: 2 + 5 rows; 5 + 3 rows

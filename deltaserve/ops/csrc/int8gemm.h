@@ -341,7 +341,8 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
         const int64_t row_bytes = K / 32 * layout(type).bytes;
 #if defined(DELTASERVE_AMX)
         if (tiled) {  // 4 adjacent tiles at a time: one tile per activation load measured slower than the registers
-          if (n32 && (n32 == q8::kQ8AmxTiles || tile.n0 != first32 + 16 * n32)) run32();
+          // (a short tile ends a group: the next segment's rows may start 16 after it, past other types' rows)
+          if (n32 && (n32 == q8::kQ8AmxTiles || last32 != 16 || tile.n0 != first32 + 16 * n32)) run32();
           if (!n32) first32 = tile.n0;
           tile32[n32++].open(type, rows, row_bytes, tile.rows, K);
           last32 = tile.rows;
