@@ -111,6 +111,8 @@ def test_q8_0_rows_beside_k_quants(rows, segments, K, panels, prefill_path):
         assert_int8_matmul(y[:, ~q8], x, ref[~q8])
 
 
+@pytest.mark.skipif(not (fused.available() and fused.extension().q8_int8()),
+                    reason="this CPU has no AVX-512 VNNI (the Q8_0 integer kernels)")
 def test_a_short_tile_of_32_weight_blocks_ends_its_group(prefill_path):
     """Q8_0 rows 0..20 (a tile of 16, one of 5), K-quant rows 21..31, Q8_0 rows from 32: the third Q8_0 tile starts
     16 rows after the second, which is short; grouped with it, the second tile's unused columns would overwrite the
