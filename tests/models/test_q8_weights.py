@@ -12,6 +12,7 @@ from gguf import quants as gguf_quants
 from deltaserve.models import layers
 from deltaserve.models.layers import dequantize, embed_tokens, linear, quantize_q8
 from deltaserve.ops import fused
+from tests.builds import run_in_build
 
 
 def q8_values(N, K, seed=0):
@@ -169,7 +170,7 @@ def test_q8_0_model_matches_llama_cpp(arch, tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not fused.available(), reason="the C++ kernels are not built here")
-@pytest.mark.parametrize("K", [37, 96, 200, 1000])
+@pytest.mark.parametrize("K", [37, 50, 96, 200, 1000])  # tails of 5, 2 after a lone 16, 0, 8, 8
 def test_float16_kernel_rows_do_not_depend_on_how_many_come_together(K):
     """Each activation row of linear_f16 is the float64 product, and bit for bit the row alone: a speculative
     verify pass (a few rows) then gives the plain decode step's (one row) logits, so greedy drafts are judged
@@ -180,6 +181,14 @@ def test_float16_kernel_rows_do_not_depend_on_how_many_come_together(K):
     torch.testing.assert_close(alone.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5)
     for M in (2, 3, 5, 8, 9, 13):  # up to 8 rows per pass over a weight row, then another pass
         assert torch.equal(_f16(x[:M], w), alone[:M]), M
+
+
+@pytest.mark.skipif(not fused.available(), reason="the C++ kernels are not built here")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])
+def test_float16_kernel_in_other_builds(march):
+    """The AVX2 decode GEMV (8 rows a block, F16C conversions) and the portable one (16 lanes) built for x86-64-v3 and
+    -v2 (DELTASERVE_MARCH) pass the test above: the float64 product, and the same bits whatever rows come together."""
+    run_in_build(__file__, march, "float16_kernel_rows")
 
 
 def _f16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
