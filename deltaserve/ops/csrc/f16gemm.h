@@ -49,6 +49,35 @@ inline void pack_x(const float* x, int64_t M, int64_t K, float* xp) {
   });
 }
 
+#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+// 8 float16 of a row widened; a short tail (k < 8) through a zeroed copy
+inline __m256 widen8(const uint16_t* w, int64_t k) {
+  if (k == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  alignas(16) uint16_t tail[8] = {0};
+  std::memcpy(tail, w, k * sizeof(uint16_t));
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tail)));
+}
+
+// r[i][j] -> r[j][i] for an 8 x 8 block: pairs of rows interleaved, then quads, then the 128-bit halves
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], s[8];
+  for (int p = 0; p < 4; ++p) {
+    t[2 * p] = _mm256_unpacklo_ps(r[2 * p], r[2 * p + 1]);
+    t[2 * p + 1] = _mm256_unpackhi_ps(r[2 * p], r[2 * p + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // s[4h + c]: rows 4h .. 4h + 3 at columns c and c + 4
+    s[4 * h] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);
+    s[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0xEE);
+    s[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
+    s[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(s[c], s[4 + c], 0x20);
+    r[4 + c] = _mm256_permute2f128_ps(s[c], s[4 + c], 0x31);
+  }
+}
+#endif
+
 #if defined(__AVX512F__)
 // 16 float16 of a row widened; a short tail (k < 16) through a zeroed copy
 inline __m512 widen16(const uint16_t* w, int64_t k) {
@@ -73,6 +102,19 @@ inline void pack_w(const uint16_t* w, int64_t K, int64_t n0, int64_t nc, int64_t
       for (int i = 0; i < 16; ++i) r[i] = i < rows ? widen16(wr + i * K + k, kn) : _mm512_setzero_ps();
       transpose16(r);
       for (int64_t j = 0; j < kn; ++j) _mm512_storeu_ps(out + (k + j) * kNR, r[j]);
+    }
+  }
+#elif defined(__AVX2__) && defined(__F16C__)
+  for (int64_t g = 0; g < 2 * tiles; ++g) {  // 8 rows at a time: a tile's two halves
+    float* out = bp + (g / 2) * kc * kNR + (g % 2) * 8;
+    const int64_t rows = std::clamp<int64_t>(nc - 8 * g, 0, 8);
+    const uint16_t* wr = w + (n0 + 8 * g) * K + k0;
+    for (int64_t k = 0; k < kc; k += 8) {
+      const int64_t kn = std::min<int64_t>(8, kc - k);
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = i < rows ? widen8(wr + i * K + k, kn) : _mm256_setzero_ps();
+      transpose8(r);
+      for (int64_t j = 0; j < kn; ++j) _mm256_storeu_ps(out + (k + j) * kNR, r[j]);
     }
   }
 #else
@@ -115,12 +157,17 @@ inline void tile(const float* xp, const float* bp, int64_t kc, float* y, int64_t
       c1[i] = _mm256_fmadd_ps(a, b1, c1[i]);
     }
   }
+  // the sums leave their registers in an unrolled loop: with a loop over i here, GCC kept c0 and c1 in memory too and
+  // stored all 12 at every k (44% of the FMA peak, store-bound)
+  alignas(32) float out[MR][kNR];
+#pragma GCC unroll 6
   for (int i = 0; i < MR; ++i) {
-    alignas(32) float out[kNR];
-    _mm256_store_ps(out, c0[i]);
-    _mm256_store_ps(out + 8, c1[i]);
+    _mm256_store_ps(out[i], c0[i]);
+    _mm256_store_ps(out[i] + 8, c1[i]);
+  }
+  for (int i = 0; i < MR; ++i) {
     float* yr = y + i * ldy;
-    for (int64_t j = 0; j < cols; ++j) yr[j] = add ? yr[j] + out[j] : out[j];
+    for (int64_t j = 0; j < cols; ++j) yr[j] = add ? yr[j] + out[i][j] : out[i][j];
   }
 #else
   float c[MR][kNR] = {};
