@@ -1,5 +1,6 @@
 // The prefill GEMM of float16 weights: y [M, N] = x [M, K] (float32) @ W [N, K]^T with W float16 as the file stores
 // it, accumulated in float32 (the activations are never rounded: the result is a float32 GEMM on the exact weights).
+// bfloat16 weights times float32 activations take it too (bf16.h), widened by a shift instead of vcvtph2ps.
 // Its format for panel_gemm.h: W is widened (vcvtph2ps) a block at a time into a float32 panel of kKC x kNC, laid
 // [column tile][k][kNR] so that one vector load gives kNR columns at one k; x is laid out once per call in row tiles
 // [tile][k][kMR] (rows of x K floats apart would alias the same L1 sets). The micro-kernel keeps a kMR x kNR block of
@@ -34,7 +35,18 @@ constexpr int64_t kKC = 256;  // k per block: a row tile's block of x is kMR x k
 constexpr int64_t kNC = 256;  // columns per block: the widened panel is kKC x kNC floats (256 KB)
 static_assert(kNC % kNR == 0, "a block of columns is whole tiles: the panel holds kKC x kNC floats");
 
-inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+// One stored value widened to float32: float16 (BF16 false) or bfloat16 (its bits are a float32's upper half)
+template <bool BF16>
+inline float widen1(uint16_t h) {
+  if constexpr (BF16) {
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  } else {
+    return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+  }
+}
 
 // x [M, K] -> xp [ceil(M / kMR)][K][kMR] (a last tile's missing rows are never read)
 inline void pack_x(const float* x, int64_t M, int64_t K, float* xp) {
@@ -50,12 +62,19 @@ inline void pack_x(const float* x, int64_t M, int64_t K, float* xp) {
 }
 
 #if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
-// 8 float16 of a row widened; a short tail (k < 8) through a zeroed copy
+// 8 stored values of a row widened; a short tail (k < 8) through a zeroed copy
+template <bool BF16>
+inline __m256 widen8(__m128i v) {
+  if constexpr (BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+  else return _mm256_cvtph_ps(v);
+}
+
+template <bool BF16>
 inline __m256 widen8(const uint16_t* w, int64_t k) {
-  if (k == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  if (k == 8) return widen8<BF16>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
   alignas(16) uint16_t tail[8] = {0};
   std::memcpy(tail, w, k * sizeof(uint16_t));
-  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tail)));
+  return widen8<BF16>(_mm_load_si128(reinterpret_cast<const __m128i*>(tail)));
 }
 
 // r[i][j] -> r[j][i] for an 8 x 8 block: pairs of rows interleaved, then quads, then the 128-bit halves
@@ -79,16 +98,24 @@ inline void transpose8(__m256 r[8]) {
 #endif
 
 #if defined(__AVX512F__)
-// 16 float16 of a row widened; a short tail (k < 16) through a zeroed copy
+// 16 stored values of a row widened; a short tail (k < 16) through a zeroed copy
+template <bool BF16>
+inline __m512 widen16(__m256i v) {
+  if constexpr (BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+  else return _mm512_cvtph_ps(v);
+}
+
+template <bool BF16>
 inline __m512 widen16(const uint16_t* w, int64_t k) {
-  if (k == 16) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+  if (k == 16) return widen16<BF16>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
   alignas(32) uint16_t tail[16] = {0};
   std::memcpy(tail, w, k * sizeof(uint16_t));
-  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(tail)));
+  return widen16<BF16>(_mm256_load_si256(reinterpret_cast<const __m256i*>(tail)));
 }
 #endif
 
 // W rows n0 .. n0 + nc, columns k0 .. k0 + kc, widened into bp [ceil(nc / kNR)][kc][kNR] (rows past nc: zero)
+template <bool BF16>
 inline void pack_w(const uint16_t* w, int64_t K, int64_t n0, int64_t nc, int64_t k0, int64_t kc, float* bp) {
   const int64_t tiles = (nc + kNR - 1) / kNR;
 #if defined(__AVX512F__)
@@ -99,7 +126,7 @@ inline void pack_w(const uint16_t* w, int64_t K, int64_t n0, int64_t nc, int64_t
     for (int64_t k = 0; k < kc; k += 16) {
       const int64_t kn = std::min<int64_t>(16, kc - k);
       __m512 r[16];
-      for (int i = 0; i < 16; ++i) r[i] = i < rows ? widen16(wr + i * K + k, kn) : _mm512_setzero_ps();
+      for (int i = 0; i < 16; ++i) r[i] = i < rows ? widen16<BF16>(wr + i * K + k, kn) : _mm512_setzero_ps();
       transpose16(r);
       for (int64_t j = 0; j < kn; ++j) _mm512_storeu_ps(out + (k + j) * kNR, r[j]);
     }
@@ -112,7 +139,7 @@ inline void pack_w(const uint16_t* w, int64_t K, int64_t n0, int64_t nc, int64_t
     for (int64_t k = 0; k < kc; k += 8) {
       const int64_t kn = std::min<int64_t>(8, kc - k);
       __m256 r[8];
-      for (int i = 0; i < 8; ++i) r[i] = i < rows ? widen8(wr + i * K + k, kn) : _mm256_setzero_ps();
+      for (int i = 0; i < 8; ++i) r[i] = i < rows ? widen8<BF16>(wr + i * K + k, kn) : _mm256_setzero_ps();
       transpose8(r);
       for (int64_t j = 0; j < kn; ++j) _mm256_storeu_ps(out + (k + j) * kNR, r[j]);
     }
@@ -122,7 +149,7 @@ inline void pack_w(const uint16_t* w, int64_t K, int64_t n0, int64_t nc, int64_t
     for (int64_t j = 0; j < kNR; ++j) {
       float* out = bp + t * kc * kNR + j;
       const int64_t n = t * kNR + j;
-      for (int64_t k = 0; k < kc; ++k) out[k * kNR] = n < nc ? half_to_float(w[(n0 + n) * K + k0 + k]) : 0.f;
+      for (int64_t k = 0; k < kc; ++k) out[k * kNR] = n < nc ? widen1<BF16>(w[(n0 + n) * K + k0 + k]) : 0.f;
     }
 #endif
 }
@@ -185,7 +212,9 @@ inline void tile_rows(std::integer_sequence<int, R...>, int64_t rows, const floa
   ((rows == R + 1 ? tile<R + 1>(xp, bp, kc, y, ldy, cols, add) : void()), ...);
 }
 
-// the format panel_gemm.h runs: float32 x in row tiles [tile][k][kMR], W widened into [column tile][k][kNR]
+// the format panel_gemm.h runs: float32 x in row tiles [tile][k][kMR], W (float16, or bfloat16 where BF16) widened
+// into [column tile][k][kNR]
+template <bool BF16>
 struct Format {
   using X = float;
   using P = float;
@@ -195,7 +224,7 @@ struct Format {
   static int64_t panel_size() { return kKC * kNC; }
   using Scope = NoTiles;
   static void pack_w(const uint16_t* w, int64_t K, int64_t n0, int64_t nc, int64_t k0, int64_t kc, float* bp) {
-    f16::pack_w(w, K, n0, nc, k0, kc, bp);
+    f16::pack_w<BF16>(w, K, n0, nc, k0, kc, bp);
   }
   static void tile(int64_t rows, const float* xp, const float* bp, int64_t kc, float* y, int64_t ldy, int64_t cols,
                    bool add) {
@@ -203,11 +232,12 @@ struct Format {
   }
 };
 
-// y [M, N] = x [M, K] @ W [N, K]^T on raw pointers (M, N, K >= 1)
+// y [M, N] = x [M, K] @ W [N, K]^T on raw pointers (M, N, K >= 1), W float16 or (BF16) bfloat16
+template <bool BF16 = false>
 inline void gemm(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K) {
   std::unique_ptr<float[]> xp(new float[(M + kMR - 1) / kMR * kMR * K]);  // uninitialised: pack_x writes every value read
   pack_x(x, M, K, xp.get());
-  panel_gemm<Format>(xp.get(), w, y, M, N, K);
+  panel_gemm<Format<BF16>>(xp.get(), w, y, M, N, K);
 }
 
 inline void check_args(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& y) {
