@@ -39,12 +39,7 @@ namespace bf16 {
 
 constexpr int64_t kGemvRows = 16;   // activation rows up to which the decode driver runs
 
-inline float widen(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline float widen(uint16_t b) { return f16::widen1<true>(b); }
 
 // float32 -> bfloat16 bits, to nearest, ties to even, as vcvtne2ps2bf16 rounds: NaN kept a quiet NaN, inputs below
 // 2^-126 taken as (signed) zero
@@ -310,8 +305,9 @@ inline void linear_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor y, bool 
     return product<Dot>(rounded(x.data_ptr<float>(), M * K, held), M, K, wp, N, y.data_ptr<float>());
   }
 #endif
-  // float32 activations at prefill: f16gemm.h's panels of widened weights (6 x 64 register tiles where the 4 x 4
-  // dot tiles summed across lanes: 206-217 -> 330 GFLOP/s on an AVX-512 Xeon, 134-146 -> 180 in its AVX2 build)
+  // float32 activations at prefill: f16gemm.h's panels of widened weights (6 x 64 register tiles; the 4 x 4 dot
+  // tiles they replace summed across lanes: 206-217 -> 281-310 GFLOP/s on an AVX-512 Xeon, 134-146 -> 177-186 in
+  // its AVX2 build)
   if (M > kGemvRows) return f16::gemm<true>(x.data_ptr<float>(), wp, y.data_ptr<float>(), M, N, K);
   product<Widen>(x.data_ptr<float>(), M, K, wp, N, y.data_ptr<float>());
 }

@@ -92,7 +92,7 @@ inline __m256 sum8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-// The AVX2 form of f16_block below: 8 weight rows a block, 8 lanes, and a row's K % 8 last weights from a
+// The AVX2 form of the f16_block above: 8 weight rows a block, 8 lanes, and a row's K % 8 last weights from a
 // zero-padded copy (AVX2 has no masked 16-bit load).
 template <int64_t MB>
 inline void f16_block(const uint16_t* w, const float* xp, int64_t ld, int64_t K, float* yp, int64_t N, int64_t nb) {
@@ -180,7 +180,7 @@ void linear_f16(torch::Tensor x, torch::Tensor w, torch::Tensor y) {
 #endif
   using Rows = void (*)(const uint16_t*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
   static constexpr Rows rows[9] = {nullptr, f16_rows<1>, f16_rows<2>, f16_rows<3>, f16_rows<4>,
-                                        f16_rows<5>, f16_rows<6>, f16_rows<7>, f16_rows<8>};
+                                   f16_rows<5>, f16_rows<6>, f16_rows<7>, f16_rows<8>};
   constexpr int64_t NB = 16;  // weight rows per step: past 8 rows of x, the next block reads them again from L1 / L2
   at::parallel_for(0, N, NB, [&](int64_t lo, int64_t hi) {
     const ShareClock clock(hi - lo);
