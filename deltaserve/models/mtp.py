@@ -27,6 +27,13 @@ from deltaserve.models.common import lm_logits
 from deltaserve.models.layers import Linear, RMSNorm
 from deltaserve.models.state import HybridState, Snapshots
 
+# Where a family drafts in one C++ call (models/qwen/plan.py), its float (F16 / BF16 / F32) MTP weights and output
+# head are read through Q8_0 copies (rounded as ggml's quantiser does, activations rounded per 32 as on Q8_0 files)
+# made at the first draft: a draft step reads half the bytes, and drafts are only guesses that the trunk's own
+# weights verify, so the output is unchanged. The copies cost about half those weights' float16 size in memory
+# (for a tied head, half the embedding). False: the plan reads the weights as stored, as the modules do.
+DRAFT_Q8 = True
+
 
 class MTPHead(nn.Module):
     """enorm / hnorm over [embedding | hidden], fc [E, 2E], one decoder layer, norm. `layer` is the family's

@@ -9,9 +9,12 @@ import copy
 import pytest
 import torch
 
+from deltaserve.engine.llm import DEFAULT_MODEL
 from deltaserve.loader import open_checkpoint
 from deltaserve.models import QwenModel
 from deltaserve.models.base import HybridModel
+from deltaserve.models import mtp as mtp_layer
+from deltaserve.models.layers import Q8_BLOCK, Linear, linear, q8_0_copy, q8_int8
 from deltaserve.models.mtp import draft
 from tests.models.test_mtp import IDS, reference_mtp, rel_err, trunk_hidden, with_mtp  # noqa: F401 (fixture)
 
@@ -73,7 +76,13 @@ def draft_run(model, ks: list[int]):
     return draft(model, state, torch.tensor([1, 0]), torch.stack([IDS[14], IDS[9]]), ks), state
 
 
-def test_chained_drafts_match_the_float64_mtp_and_the_modules(tiny, with_mtp, monkeypatch):
+@pytest.fixture
+def float_drafts(monkeypatch):
+    """The MTP plan reads the weights as stored, as the modules and the float64 reference do."""
+    monkeypatch.setattr(mtp_layer, "DRAFT_Q8", False)
+
+
+def test_chained_drafts_match_the_float64_mtp_and_the_modules(tiny, with_mtp, float_drafts, monkeypatch):
     path, W = with_mtp
     model = QwenModel.from_checkpoint(open_checkpoint(path), **F32)
     drafts, state = draft_run(model, [3, 1])
@@ -100,7 +109,7 @@ def test_chained_drafts_match_the_float64_mtp_and_the_modules(tiny, with_mtp, mo
     assert state.k[i][:, :18].abs().amax((-2, -1)).gt(0).sum() == 14 + 3 + 9 + 1  # every written row, no other
 
 
-def test_chained_drafts_on_bfloat16_weights_match_the_modules(tiny, with_mtp, tmp_path, monkeypatch):
+def test_chained_drafts_on_bfloat16_weights_match_the_modules(tiny, with_mtp, tmp_path, float_drafts, monkeypatch):
     """A bf16 checkpoint keeps its embedding and matmul weights bfloat16: the MTP plan takes it and
     drafts what the modules draft, step by step, on the same weights."""
     import shutil
@@ -119,6 +128,41 @@ def test_chained_drafts_on_bfloat16_weights_match_the_modules(tiny, with_mtp, tm
     monkeypatch.setattr(QwenModel, "mtp_draft", HybridModel.mtp_draft)
     monkeypatch.setattr(QwenModel, "mtp_follow", HybridModel.mtp_follow)
     assert draft_run(model, [3, 2])[0] == drafts
+
+
+@pytest.mark.skipif(not DEFAULT_MODEL.exists(), reason="the embedded model is not built in this checkout")
+def test_chained_drafts_through_q8_0_copies_are_the_modules_on_those_copies(monkeypatch):
+    """By default the plan drafts through Q8_0 copies of the MTP layer's float weights and of the head (the tiny
+    models' odd widths have no Q8_0 form, so the embedded model, float16, 256 wide): its drafts and MTP cache,
+    a 20-token prompt pass included, are those of the modules holding the same copies (ggml's rounding, checked
+    against gguf-py in tests/loader), bit for bit, and not those of the float weights."""
+    if not q8_int8(torch.empty(0, Q8_BLOCK)):
+        pytest.skip("this CPU has no AVX-512 VNNI: the plan keeps the float weights (DRAFT_Q8 needs the int8 kernels)")
+    model = QwenModel.from_checkpoint(open_checkpoint(DEFAULT_MODEL))
+    ids = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(5))
+
+    def run():
+        state = model.new_state(2, 64, mtp=True)
+        for slot, (a, b) in ((1, (0, 20)), (1, (20, 23)), (0, (0, 9))):
+            model(ids[None, a:b], state, [slot])
+        return draft(model, state, torch.tensor([1, 0]), ids[[23, 9]], [3, 2]), state.k[-1], state.v[-1]
+
+    drafts, keys, values = run()
+    with monkeypatch.context() as float_plan:
+        float_plan.setattr(mtp_layer, "DRAFT_Q8", False)
+        assert not torch.equal(keys, run()[1])
+
+    for module in model.mtp.modules():
+        if isinstance(module, Linear):
+            q = q8_0_copy(module.weight)
+            module.weight = torch.nn.Parameter(q, requires_grad=False)
+            module.weight.scale = q.scale
+    head = q8_0_copy(model.embed.weight if model.lm_head is None else model.lm_head.weight)
+    monkeypatch.setattr(mtp_layer, "lm_logits", lambda model, h: linear(h, head).float())
+    monkeypatch.setattr(QwenModel, "mtp_draft", HybridModel.mtp_draft)
+    monkeypatch.setattr(QwenModel, "mtp_follow", HybridModel.mtp_follow)
+    by_modules = run()
+    assert by_modules[0] == drafts and torch.equal(by_modules[1], keys) and torch.equal(by_modules[2], values)
 
 
 def decode_run(model, prefixes: list[int], steps: int):

@@ -13,7 +13,8 @@ The MTP layer (models/mtp.py) has a plan of its own (MTPPlan): k chained greedy 
 values a trunk pass leaves in its cache without its attention output (through the modules a draft step cost ~50
 small torch ops, 0.3 ms on the embedded model where its arithmetic takes a fifth of that). It applies where the
 layer's feed-forward is a dense MLP and the embedding float32, float16 or bfloat16; elsewhere (qwen35moe's MoE layer,
-quantised embeddings) models/mtp.py runs the modules, with the same drafts.
+quantised embeddings) models/mtp.py runs the modules, with the same drafts. It reads float MTP weights and the head
+through Q8_0 copies (models/mtp.py DRAFT_Q8), as the modules do not: its drafts are then those of the rounded weights.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import torch
 
 from deltaserve.models import layers as layer_ops
 from deltaserve.models import packed
-from deltaserve.models.layers import _GEMV_ROWS, _STEP_CACHE_DTYPES, MLP, SparseMoE, _split_decode, part, q8_int8
+from deltaserve.models import mtp as mtp_layer
+from deltaserve.models.layers import (_GEMV_ROWS, _STEP_CACHE_DTYPES, MLP, Q8_BLOCK, SparseMoE, _split_decode, part,
+                                      q8_0_copy, q8_int8)
 from deltaserve.ops import fused
 
 _NONE = torch.empty(0)  # a layer's missing cache or gather
@@ -74,17 +77,18 @@ def _plan(model, layers: range):
     return plans[key]
 
 
-def _build_layers(ext, layers: list):
-    """A DecodePlan of these decoder layers, or None where one is not the plan's case."""
+def _build_layers(ext, layers: list, draft: bool = False):
+    """A DecodePlan of these decoder layers, or None where one is not the plan's case. draft: float weights are
+    read through Q8_0 copies (see _weight_ref)."""
     plan = ext.DecodePlan()
     for layer in layers:
         mixer, norms = layer.mixer, (layer.input_norm.weight, layer.post_norm.weight)
         if layer.input_norm.eps != layer.post_norm.eps or any(t.dtype != torch.float32 for t in norms):
             return None
-        ffn = _feed_forward(ext, layer.ffn)  # (first: a tensor-parallel rank's modules are wrapped, see there)
+        ffn = _feed_forward(ext, layer.ffn, draft)  # (first: a tensor-parallel rank's modules are wrapped, see there)
         if ffn is None:
             return None
-        linears = [_linear(ext, m) for m in ((mixer.in_proj, mixer.out_proj) if layer.recurrent
+        linears = [_linear(ext, m, draft) for m in ((mixer.in_proj, mixer.out_proj) if layer.recurrent
                                              else (mixer.qkv_proj, mixer.o_proj))]
         if any(ref is None for ref in linears):
             return None
@@ -97,31 +101,36 @@ def _build_layers(ext, layers: list):
     return plan
 
 
-def _feed_forward(ext, ffn):
+def _feed_forward(ext, ffn, draft: bool = False):
     """The C++ FeedForward of an MLP or a SparseMoE holding all its experts, or None where one of its weights has
     no kernel (or the module is another: a tensor-parallel rank's wraps its output in an all-reduce)."""
     if isinstance(ffn, MLP):
-        refs = [_linear(ext, ffn.gate_up)], [_linear(ext, ffn.down)]
+        refs = [_linear(ext, ffn.gate_up, draft)], [_linear(ext, ffn.down, draft)]
         return None if None in refs[0] + refs[1] else ext.FeedForward(*refs, None, 1, False, None, None, None)
     if not isinstance(ffn, SparseMoE) or ffn.experts.first != 0:
         return None
     experts = ffn.experts
-    refs = [[_weight_ref(ext, part(w, e)) for e in range(w.shape[0])] for w in (experts.gate_up, experts.down)]
-    router = _linear(ext, ffn.router)
+    refs = [[_weight_ref(ext, part(w, e), draft) for e in range(w.shape[0])] for w in (experts.gate_up, experts.down)]
+    router = _linear(ext, ffn.router, draft)
     shared = [None] * 3 if ffn.shared is None else \
-        [_linear(ext, m) for m in (ffn.shared_gate, ffn.shared.gate_up, ffn.shared.down)]
+        [_linear(ext, m, draft) for m in (ffn.shared_gate, ffn.shared.gate_up, ffn.shared.down)]
     if None in refs[0] + refs[1] or router is None or (ffn.shared is not None and None in shared):
         return None
     return ext.FeedForward(*refs, router, ffn.top_k, ffn.normalize, *shared)
 
 
-def _linear(ext, module):
+def _linear(ext, module, draft: bool = False):
     """The C++ LinearRef of a Linear module's weight (kinds as plan.h numbers them), or None."""
-    return None if module.bias is not None else _weight_ref(ext, module.weight)
+    return None if module.bias is not None else _weight_ref(ext, module.weight, draft)
 
 
-def _weight_ref(ext, w: torch.Tensor):
-    """The C++ LinearRef of x @ w.T for a weight in any form linear() reads, or None where the plan has no kernel."""
+def _weight_ref(ext, w: torch.Tensor, draft: bool = False):
+    """The C++ LinearRef of x @ w.T for a weight in any form linear() reads, or None where the plan has no kernel.
+    draft: a float weight is read through a Q8_0 copy of it where the CPU has the int8 kernels (the MTP layer's
+    drafts: half the bytes of float16, and only guesses, which verification checks)."""
+    if draft and w.dtype in (torch.float16, torch.bfloat16, torch.float32) and w.dim() == 2 \
+            and w.shape[1] % Q8_BLOCK == 0 and q8_int8(torch.empty(0, w.shape[1])):
+        w = q8_0_copy(w)
     if packed.is_packed(w):
         pk = w.packing
         index = _NONE.long() if pk.x_index is None else pk.x_index
@@ -140,8 +149,8 @@ def mtp_follow(model, ids: torch.Tensor, before: torch.Tensor, rope, k_cache: to
     """The MTP layer's keys and values for ids [N, T] after normed hidden states before [N, T, E] (each token's
     predecessor's), at positions start..; False where the plan does not apply (nothing written)."""
     N, T, E = before.shape
-    if N * T > _GEMV_ROWS or not _applies(before, k_cache, v_cache):
-        return False
+    if (N * T > _GEMV_ROWS and not _draft_copies(before)) or not _applies(before, k_cache, v_cache):
+        return False  # a prompt's pass: float weights' kernels in the plan are GEMVs, Q8_0 copies' GEMMs too
     plan = _mtp_plan(model)
     if plan is None:
         return False
@@ -175,10 +184,17 @@ def _applies(x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
             and k_cache.is_cpu and fused.available())
 
 
+def _draft_copies(x: torch.Tensor) -> bool:
+    """Whether the MTP plan reads float weights through Q8_0 copies (models/mtp.py DRAFT_Q8, on a CPU with the
+    kernels)."""
+    return mtp_layer.DRAFT_Q8 and q8_int8(x)
+
+
 def _mtp_plan(model):
     """The model's MTPPlan (built at first use, keyed like the decode plans by the activations' rounding), or None."""
     plans = model.__dict__.setdefault("_decode_plans", {})
-    key = ("mtp", packed.INT8_ACTIVATIONS, layer_ops.Q8_INT8_ACTIVATIONS, layer_ops.BF16_ROUNDED_ACTIVATIONS)
+    key = ("mtp", mtp_layer.DRAFT_Q8, packed.INT8_ACTIVATIONS, layer_ops.Q8_INT8_ACTIVATIONS,
+           layer_ops.BF16_ROUNDED_ACTIVATIONS)
     if key not in plans:
         plans[key] = _build_mtp(model)
     return plans[key]
@@ -190,9 +206,10 @@ def _build_mtp(model):
     if (mtp is None or packed.is_packed(embed) or embed.dtype not in (torch.float16, torch.bfloat16, torch.float32)
             or not embed.is_contiguous() or len({mtp.enorm.eps, mtp.hnorm.eps, mtp.norm.eps}) != 1):
         return None
-    layer = _build_layers(ext, [mtp.layer])
-    head = _weight_ref(ext, embed if model.lm_head is None else model.lm_head.weight)
-    fc = None if mtp.fc.bias is not None else _weight_ref(ext, mtp.fc.weight)
+    q8 = mtp_layer.DRAFT_Q8
+    layer = _build_layers(ext, [mtp.layer], q8)
+    head = _weight_ref(ext, embed if model.lm_head is None else model.lm_head.weight, q8)
+    fc = None if mtp.fc.bias is not None else _weight_ref(ext, mtp.fc.weight, q8)
     if layer is None or head is None or fc is None:
         return None
     return ext.MTPPlan(embed, mtp.enorm.weight, mtp.hnorm.weight, mtp.enorm.eps, fc, layer, mtp.norm.weight, head)
