@@ -34,6 +34,7 @@ def measure(path: str, tokens: int, reps: int, prompt: str = PROMPT, chat: str |
             llm.spec_tokens = max(k, 1)
             llm.speculators.clear()
             spec = "mtp" if k else False
+            llm.generate(prompt, max_tokens=1, speculative=spec, **kw)  # first use (a runner, plans) is not timed
             first, first_cpu = _timed(lambda: llm.generate(prompt, max_tokens=1, speculative=spec, **kw))[1:]
             llm.speculators.clear()
             out, seconds, cpu = _timed(lambda: llm.generate(prompt, max_tokens=tokens, speculative=spec, **kw))

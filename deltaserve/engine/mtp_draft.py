@@ -36,5 +36,10 @@ class MTPDrafter:
         ids = torch.tensor([ctx[-1] for ctx in contexts], dtype=torch.long)
         return draft(model, state, torch.tensor(slots, dtype=torch.long), ids, ks)
 
+    def step(self, slots: list[int], pending: list[int], ks: list[int]) -> list[tuple[list[int], list[int]]] | None:
+        """Draft, verify and keep in one call for greedy sequences, where the model has one (ModelRunner.mtp_step):
+        per slot (drafts, tokens produced), or None (propose, then the scheduler verifies)."""
+        return self.runner.mtp_step(slots, pending, ks)
+
     def reset(self, slots: list[int]) -> None:
         pass  # it keeps nothing of its own: its cache is the runner's state

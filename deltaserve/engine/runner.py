@@ -92,6 +92,22 @@ class ModelRunner:
         self.cache.advance(slots, tokens, checkpoint=False)
         return out
 
+    def mtp_step(self, slots: list[int], pending: list[int], ks: list[int]) -> list[tuple[list[int], list[int]]] | None:
+        """A greedy speculative step with the model's MTP drafts in one call (HybridModel.mtp_greedy_step): slot
+        slots[i] with pending token pending[i] drafts ks[i] >= 1 tokens, which the model verifies; it keeps the
+        pending token and the accepted drafts. Per slot (its drafts, the tokens verification produced: the
+        accepted drafts and the model's next token); None where the model has no such call or the pass would
+        reach a checkpoint position (saved from a verify pass's snapshots: the caller then drafts and verifies)."""
+        if any(self.cache.boundaries(s, 1 + max(ks)) for s in slots):
+            return None
+        out = self.model.mtp_greedy_step(self.state, torch.tensor(slots, dtype=torch.long),
+                                         torch.tensor(pending, dtype=torch.long), ks)
+        if out is None:
+            return None
+        drafts, accepted, following = (t.tolist() for t in out)
+        self.cache.advance(slots, [[p, *d[:a]] for p, d, a in zip(pending, drafts, accepted)])
+        return [(d[:k], [*d[:a], f]) for d, k, a, f in zip(drafts, ks, accepted, following)]
+
     def rollback(self, slot: int, length: int) -> None:
         """After `verify`: keep the slot's first `length` tokens (at least those before the verified ones
         and the first of them), without recompute."""

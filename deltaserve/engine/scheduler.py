@@ -2,7 +2,8 @@
 prefill chunks of waiting prompts up to a token budget. Requests join and leave between steps.
 
 A request added with a Speculator decodes speculatively: its drafts are verified in one batched pass
-(rows padded to the longest draft; padding is never accepted) and each slot rolled back to what it kept.
+(rows padded to the longest draft; padding is never accepted) and each slot rolled back to what it kept;
+a drafter that can (MTPDrafter.step) does all of it in one call for greedy unconstrained requests.
 
 A batched pass that raises (the model, a drafter) is run again for each of its requests alone, each slot
 first brought back to the tokens it held before the pass; a pass that raises for one request (alone, or
@@ -111,8 +112,9 @@ class Scheduler:
         if drafting and self.spec_max_batch is not None and len(batch) > self.spec_max_batch:
             drafting = []
             self.plain_steps += 1
-        drafts = self._draft(drafting)
-        plain = [r for r in batch if r not in drafts and r.done is None]  # a failed draft ended its request
+        stepped = self._step_in_one_call(drafting)
+        drafts = self._draft([r for r in drafting if r not in stepped and r.done is None])
+        plain = [r for r in batch if r not in drafts and r not in stepped and r.done is None]  # (failures end requests)
         if plain:
             self._batched(plain, self._decode_plain, self._decode_alone)
         if drafts:
@@ -133,14 +135,47 @@ class Scheduler:
             logits = self.runner.forward([req.slot], [tokens[start:start + self.prefill_chunk]])
         self._take_samples([req], logits)
 
+    def _k(self, req: Request) -> int:
+        """The most tokens `req` may draft: its speculator's k, within its room and what it may still generate."""
+        return min(self.speculators[req].k, self.runner.room(req.slot) - 1,
+                   req.params.max_tokens - len(req.output_ids) - 1)
+
+    def _step_in_one_call(self, reqs: list[Request]) -> set[Request]:
+        """Greedy unconstrained requests whose drafter drafts, verifies and keeps in one call (MTPDrafter.step on
+        a model with the call): their decode step, done here. The others (and these where the call does not
+        apply) draft and verify in steps."""
+        stepped: set[Request] = set()
+        for spec in dict.fromkeys(self.speculators[r] for r in reqs):
+            step = getattr(spec.drafter, "step", None)
+            k_of = {r: self._k(r) for r in reqs if self.speculators[r] is spec and r.params.greedy
+                    and r.params.grammar is None}
+            k_of = {r: k for r, k in k_of.items() if k > 0}
+            if step is None or not k_of:
+                continue
+
+            def run(batch: list[Request], step=step, k_of=k_of) -> None:
+                out = step([r.slot for r in batch], [r.pending for r in batch], [k_of[r] for r in batch])
+                if out is None:
+                    return
+                stepped.update(batch)
+                for req, (draft, tokens) in zip(batch, out):
+                    with self._serving([req]):
+                        self._keep(req, draft, tokens, len(self.runner.history[req.slot]) - len(tokens))
+
+            def alone(req: Request) -> None:
+                stepped.add(req)
+                self._decode_alone(req)
+
+            self._batched(list(k_of), run, alone)
+        return stepped
+
     def _draft(self, reqs: list[Request]) -> dict[Request, list[int]]:
         """Non-empty drafts of the requests that decode speculatively, each at most as long as its room,
         what it may still generate and its speculator's k allow."""
         drafts: dict[Request, list[int]] = {}
         for spec in dict.fromkeys(self.speculators[r] for r in reqs):
             mine = [r for r in reqs if self.speculators[r] is spec]
-            ks = [min(spec.k, self.runner.room(r.slot) - 1, r.params.max_tokens - len(r.output_ids) - 1) for r in mine]
-            k_of = {r: k for r, k in zip(mine, ks) if k > 0}
+            k_of = {r: k for r in mine if (k := self._k(r)) > 0}
             if k_of:
                 self._batched(list(k_of), lambda batch, spec=spec: self._propose(spec, batch, k_of, drafts),
                               lambda req, spec=spec: self._propose(spec, [req], k_of, drafts, reset=True))
@@ -167,14 +202,19 @@ class Scheduler:
                 self._accept(req, drafts[req], row_logits, T)
 
     def _accept(self, req: Request, draft: list[int], logits: torch.Tensor, T: int) -> None:
-        spec = self.speculators[req]
         tokens = accept(logits, self.constraints.allowed_draft(req, draft, logits), req.params, req.generator)
+        start = len(self.runner.history[req.slot]) - T  # the slot's length before the pass
+        self.runner.rollback(req.slot, start + len(tokens))  # keeps [pending, accepted drafts]
+        self._keep(req, draft, tokens, start)
+
+    def _keep(self, req: Request, draft: list[int], tokens: list[int], start: int) -> None:
+        """Count a speculative step of `req` and take the tokens it produced (the accepted drafts, then the
+        model's own); start: the slot's length before the step."""
+        spec = self.speculators[req]
         spec.proposed += len(draft)
         spec.accepted += len(tokens) - 1
         spec.first_accepted += len(tokens) > 1
         spec.steps += 1
-        start = len(self.runner.history[req.slot]) - T  # the slot's length before the pass
-        self.runner.rollback(req.slot, start + len(tokens))  # keeps [pending, accepted drafts]
         for i, token in enumerate(tokens):  # room as plain decoding would see it after token i
             self._take(req, token, room=self.runner.max_len - (start + 1 + i))
             if req.done is not None:

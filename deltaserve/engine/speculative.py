@@ -5,7 +5,9 @@ latest earlier occurrence of the context's last few tokens (prompt lookup), `Mod
 smaller model with the same vocabulary greedily, `MTPDrafter` (mtp_draft.py) the model's own MTP layer. The target model then reads [last token, drafts] in
 one pass that keeps its recurrent state after every token (ModelRunner.verify); `accept` keeps the
 longest prefix of the drafts the target agrees with plus one token of its own, and the slot is rolled
-back to just after the kept tokens, no recompute.
+back to just after the kept tokens, no recompute. For greedy unconstrained requests the MTP drafter does all of
+that in one call where the model has one (MTPDrafter.step: on a small model the Python between the steps cost
+more than the kernels).
 
 Greedy requests give exactly the tokens of plain decoding. Sampled ones follow speculative sampling
 with a deterministic draft: draft d is kept with probability p(d), else the token is drawn from p with

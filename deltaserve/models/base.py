@@ -181,6 +181,12 @@ class HybridModel(nn.Module, ABC):
         """models/mtp.draft's chained drafts in one call where the family has one (None: the modules run)."""
         return None
 
+    def mtp_greedy_step(self, state: HybridState, slots: torch.Tensor, ids: torch.Tensor, ks: list[int]):
+        """A whole greedy speculative step with the MTP layer's drafts (drafts, verify pass, acceptance, rollback)
+        in one call where the family has one: (drafts [N, max k], accepted drafts [N], next tokens [N]), the slots
+        advanced past the pending tokens and the accepted drafts; None: nothing done (draft and verify in steps)."""
+        return None
+
 
 def conv_tape(conv_state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """[conv state before x | x], [N, W-1+T, C]: the conv state after token t of x is rows t+1 .. t+W-1

@@ -102,6 +102,21 @@ def test_a_failed_batched_verify_harms_no_request(engine, embedded, reference, m
     assert settles(eng)
 
 
+def test_a_failed_one_call_mtp_step_harms_no_request(engine, embedded, reference, monkeypatch, caplog):
+    """The one-call greedy MTP step (drafts, verify, rollback: models/qwen/plan.py) over two requests fails once
+    after writing both slots and their MTP caches: each is rebuilt from its checkpoint and decoded alone; both
+    then go on drafting, and every output is the reference's."""
+    eng = engine(speculative="mtp", prefill_chunk=128)
+    model = embedded[0]
+    fault = Fault(model.mtp_greedy_step, after=True, when=lambda state, slots, *a: len(slots) == 2)
+    monkeypatch.setattr(model, "mtp_greedy_step", fault)
+    a, b = Pending(eng, REPEAT), Pending(eng, REPEAT)
+    assert [a.done().token_ids, b.done().token_ids] == [reference(REPEAT)] * 2
+    assert fault.fired and retried(caplog) == 1 and eng.speculator.steps > 0
+    assert serve(eng, VERSE).token_ids == reference(VERSE)
+    assert settles(eng)
+
+
 def test_greedy_params_are_the_reference_under_any_seed(engine, reference):
     """Greedy ignores the seed and the filters: a request with every extreme filter value stays greedy."""
     eng = engine()

@@ -195,3 +195,56 @@ def test_decode_steps_match_transformers_and_the_modules(tiny, with_mtp, prefixe
     for ours, theirs in ((state.conv, by_modules.conv), (state.ssm, by_modules.ssm), (state.k, by_modules.k),
                          (state.v, by_modules.v)):
         assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "qwen3next"])
+def test_greedy_step_in_one_call_is_the_stepwise_path(arch, aligned, tmp_path):
+    """mtp_greedy_step (drafts, verify, acceptance, rollback in one C++ call) against the same step through the
+    Python path (models/mtp.draft, a forward pass keeping snapshots, engine accept, HybridState.rollback): the same
+    drafts, tokens and every cache and length, bit for bit, over steps where drafts are refused (random weights)
+    and where all of them are kept (the aligned model of tests/engine/test_mtp_spec.py), two sequences drafting 3
+    and 2. qwen35moe's MTP layer is MoE: it has no MTP plan, and the call does not apply (nothing written)."""
+    from deltaserve import convert
+    from deltaserve.engine.sampling import SamplingParams
+    from deltaserve.engine.speculative import accept
+    from tests.engine.test_mtp_spec import _aligned
+
+    path = tmp_path / "m.gguf"
+    made = convert.make_model(arch, "tiny", "f32", path, seed=5, mtp=True)
+    if aligned:
+        params = QwenModel.from_checkpoint(open_checkpoint(path)).state_dict()
+        convert.write_gguf(path, made.config, _aligned(params), made.tokenizer, "f32")
+    model = QwenModel.from_checkpoint(open_checkpoint(path))
+    ids = torch.randint(0, model.config.vocab_size, (30,), generator=torch.Generator().manual_seed(2))
+    slots, ks, greedy = torch.tensor([1, 0]), [3, 2], SamplingParams(temperature=0)
+    states = [model.new_state(2, 64, mtp=True) for _ in range(2)]
+    for state in states:
+        model(ids[None, :11], state, [1])
+        model(ids[None, 11:18], state, [0])
+    pending = [int(ids[11]), int(ids[18])]
+    kept = 0
+    for _ in range(6):
+        out = model.mtp_greedy_step(states[0], slots, torch.tensor(pending), ks)
+        if out is None:
+            assert arch == "qwen35moe"
+            assert all(torch.equal(a, b) for a, b in zip(states[0].tensors(), states[1].tensors()))
+            return
+        drafts, accepted, following = (t.tolist() for t in out)
+
+        state = states[1]
+        start = state.lengths[slots].tolist()
+        steps = draft(model, state, slots, torch.tensor(pending), ks)
+        T = 1 + max(ks)
+        rows = [[p, *d] + [d[-1]] * (T - 1 - len(d)) for p, d in zip(pending, steps)]
+        logits = model(torch.tensor(rows), state, slots, logits="all", snapshots=T)
+        for n, slot in enumerate(slots.tolist()):
+            tokens = accept(logits[n], steps[n], greedy, None)
+            state.rollback(slot, start[n] + len(tokens))
+            assert drafts[n][:ks[n]] == steps[n] and [*drafts[n][:accepted[n]], following[n]] == tokens
+            kept += accepted[n] == ks[n]
+        for ours, theirs in zip(states[0].tensors(), states[1].tensors()):
+            assert torch.equal(ours, theirs)
+        assert torch.equal(states[0].lengths, states[1].lengths)
+        pending = following
+    assert (kept > 0) == aligned  # the aligned model's drafts are all kept at some steps; random ones never

@@ -138,6 +138,9 @@ class QwenModel(HybridModel):
     def mtp_draft(self, state, slots, ids, hidden, ks):
         return plan.mtp_draft(self, state, slots, ids, hidden, ks)
 
+    def mtp_greedy_step(self, state, slots, ids, ks):
+        return plan.mtp_greedy_step(self, state, slots, ids, ks)
+
     # -- the checkpoint contract --------------------------------------------------------------------
 
     @classmethod

@@ -40,8 +40,23 @@ def step(model, h: torch.Tensor, rope, state, slots: torch.Tensor, start: torch.
             or not fused.available():
         return None
     plan = _plan(model, layers)
-    if plan is None:
+    caches = None if plan is None else _caches(model, state, layers, N, T, start)
+    if caches is None:
         return None
+    cos, sin = (_NONE, _NONE) if rope is None else (t.reshape(N * T, -1).contiguous() for t in rope)  # None: no attention
+    rows = h.reshape(N * T, E).clone()
+    if snaps is None:
+        return plan.step(rows, slots, start, cos, sin, *caches).view(N, 1, E)
+    out, tapes, kept = plan.verify(rows, T, slots, start, cos, sin, *caches, snaps.depth)
+    for j, i in enumerate(layers):
+        if model.layers[i].recurrent:
+            snaps.conv[i], snaps.ssm[i] = tapes[j], kept[j]
+    return out.view(N, T, E)
+
+
+def _caches(model, state, layers: range, N: int, T: int, start: torch.Tensor):
+    """The caches of `layers` as the plan takes them (conv, ssm, keys, values: one entry per layer, empty where the
+    layer has none), or None where one is not the plan's case."""
     conv, ssm, keys, values = [], [], [], []
     for i in layers:
         if model.layers[i].recurrent:
@@ -55,15 +70,7 @@ def step(model, h: torch.Tensor, rope, state, slots: torch.Tensor, start: torch.
                     or (T == 1 and _split_decode(N * model.layers[i].mixer.num_kv_heads, start))):
                 return None
             conv.append(_NONE), ssm.append(_NONE), keys.append(k), values.append(v)
-    cos, sin = (_NONE, _NONE) if rope is None else (t.reshape(N * T, -1).contiguous() for t in rope)  # None: no attention
-    rows = h.reshape(N * T, E).clone()
-    if snaps is None:
-        return plan.step(rows, slots, start, cos, sin, conv, ssm, keys, values).view(N, 1, E)
-    out, tapes, kept = plan.verify(rows, T, slots, start, cos, sin, conv, ssm, keys, values, snaps.depth)
-    for j, i in enumerate(layers):
-        if model.layers[i].recurrent:
-            snaps.conv[i], snaps.ssm[i] = tapes[j], kept[j]
-    return out.view(N, T, E)
+    return conv, ssm, keys, values
 
 
 def _plan(model, layers: range):
@@ -177,6 +184,42 @@ def mtp_draft(model, state, slots: torch.Tensor, ids: torch.Tensor, hidden: torc
     out = plan.draft(ids.contiguous(), hidden.float().contiguous(), slots, start.contiguous(), cos.contiguous(),
                      sin.contiguous(), k_cache, v_cache, ks)
     return [row[:k] for row, k in zip(out.tolist(), ks)]
+
+
+def mtp_greedy_step(model, state, slots: torch.Tensor, ids: torch.Tensor, ks: list[int]):
+    """A greedy speculative step in one call (ops/csrc/spec.h): slot slots[n] with pending token ids[n] drafts ks[n]
+    >= 1 tokens with the MTP layer (as mtp_draft), the trunk verifies [pending, drafts] (as a forward pass keeping
+    snapshots) and the slot keeps the pending token and the accepted drafts (as HybridState.rollback). -> drafts
+    [N, max k] (-1 past ks[n]), accepted drafts [N], the trunk's next token [N]; None where the plans do not apply
+    (nothing written: the caller drafts and verifies in steps)."""
+    N, T, i = len(ks), 1 + max(ks), len(model.layers)
+    if N * T > _GEMV_ROWS or min(ks) < 1 or not _applies(state.conv[i], state.k[i], state.v[i]):
+        return None
+    spec = _spec_plan(model)
+    start = state.lengths[slots]
+    caches = None if spec is None else _caches(model, state, range(i), N, T, start)
+    if caches is None:
+        return None
+    cos, sin = model.rope(start[:, None] + torch.arange(T))  # [N, T, rot]
+    drafts, accepted, following = spec.step(ids.contiguous(), slots, start.contiguous(), cos.contiguous(),
+                                            sin.contiguous(), *caches, state.k[i], state.v[i], state.conv[i], ks)
+    state.lengths[slots] = start + accepted + 1
+    state.snapshots = None  # (the rollback is done: the pass leaves none)
+    return drafts, accepted, following
+
+
+def _spec_plan(model):
+    """The model's GreedySpec (built at first use over its decode and MTP plans), or None where one has none."""
+    plans = model.__dict__.setdefault("_decode_plans", {})
+    key = ("spec", mtp_layer.DRAFT_Q8, packed.INT8_ACTIVATIONS, layer_ops.Q8_INT8_ACTIVATIONS,
+           layer_ops.BF16_ROUNDED_ACTIVATIONS)
+    if key not in plans:
+        trunk, mtp = _plan(model, range(len(model.layers))), _mtp_plan(model)
+        head = _weight_ref(fused.extension(), model.embed.weight if model.lm_head is None else model.lm_head.weight)
+        norm = model.norm
+        plans[key] = None if trunk is None or mtp is None or head is None or norm.weight.dtype != torch.float32 \
+            else fused.extension().GreedySpec(trunk, mtp, model.embed.weight, norm.weight, norm.eps, head)
+    return plans[key]
 
 
 def _applies(x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

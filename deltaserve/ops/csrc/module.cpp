@@ -5,7 +5,7 @@
 // int8dot.h, int8gemv.h, int8gemm.h and panels.h (integer dot products of K-quant blocks; int8q8.h of Q8_0 ones with activations rounded to int8), probe.h (peaks),
 // bf16.h (float32 activations times bfloat16 weights; its AMX prefill in bf16_amx.h), amx.h (whether the tiles run),
 // attention.h (tiled attention over the KV cache for long spans), plan.h (a decode step or verify pass through dense
-// layers, and the MTP layer's drafts).
+// layers, and the MTP layer's drafts), spec.h (a greedy speculative step with those drafts).
 #include "attention.h"
 #include "bf16.h"
 #include "conv.h"
@@ -21,6 +21,7 @@
 #include "panels.h"
 #include "plan.h"
 #include "probe.h"
+#include "spec.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdr_forward", &deltaserve::gdr_forward, "fused gated delta rule (CPU, float32)");
@@ -80,6 +81,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   // plan.h: a decode step or verify pass through dense Qwen layers in one call, and the MTP layer's drafts
   deltaserve::bind_plan(m);
+  // spec.h: drafts, verify, acceptance and rollback of a greedy speculative step in one call
+  deltaserve::bind_spec(m);
 
   // attention.h
   m.def("attention_cached", &deltaserve::attention_cached, "tiled causal attention over a KV cache (CPU, float32 q)");
