@@ -215,6 +215,11 @@ _STEP_CACHE_DTYPES = (torch.float32, torch.float16)  # KV caches the attention s
 # through the tiled kernel (cached_attention), which splits the keys across the idle threads; the one-call
 # step kernel threads over those pairs only.
 _SPLIT_DECODE_SPAN = 2048
+# A cached pass of at most this many tokens per sequence (a speculative verify pass) runs its attention and the
+# recurrent layers' conv and delta rule token by token, each exactly as a decode step (ops/csrc/conv.h,
+# delta_rule.h, plan.h keep the same bound): its logits are then a decode step's bits, and greedy speculative
+# decoding gives plain decoding's tokens even where two logits nearly tie.
+STEP_TOKENS = 8
 
 
 def _split_decode(pairs: int, start: torch.Tensor) -> bool:
@@ -336,8 +341,17 @@ class GatedAttention(nn.Module):
         """x [N, T, E]. With caches: continue the sequences in cache rows `slots` from position `start`;
         without: each row is a whole sequence and nothing is kept (training)."""
         N, T, _ = x.shape
-        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         proj = self.qkv_proj(x)
+        if k_cache is not None and 1 < T <= STEP_TOKENS and _fused_inference(proj, cos, self.q_norm.weight):
+            # a few tokens (a verify pass): each as a decode step attends, so the pass gives a decode step's bits
+            return self.o_proj(torch.cat([self._attend(proj[:, t:t + 1], cos[:, t:t + 1], sin[:, t:t + 1], k_cache,
+                                                       v_cache, slots, start + t) for t in range(T)], dim=1))
+        return self.o_proj(self._attend(proj, cos, sin, k_cache, v_cache, slots, start))
+
+    def _attend(self, proj, cos, sin, k_cache, v_cache, slots, start) -> torch.Tensor:
+        """proj [N, T, D] (the q, gate, k, v projections) -> the gated attention output [N, T, nh hd]."""
+        N, T, _ = proj.shape
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         if (T == 1 and k_cache is not None and _fused_inference(proj, cos, self.q_norm.weight)
                 and k_cache.dtype in _STEP_CACHE_DTYPES and v_cache.dtype == k_cache.dtype and k_cache.is_cpu
                 and not _split_decode(N * nkv, start)):
@@ -346,7 +360,8 @@ class GatedAttention(nn.Module):
             fused.extension().attention_step(proj.view(N, -1), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                              cos.reshape(N, -1).contiguous(), sin.reshape(N, -1).contiguous(),
                                              k_cache, v_cache, slots, start, hd ** -0.5, o)
-            return self.o_proj(o.view(N, 1, nh * hd))
+            return o.view(N, 1, nh * hd)
+        proj = proj if proj.is_contiguous() else proj.contiguous()  # (a verify pass's token: rows T apart)
         q, gate, k, v = proj.split([nh * hd, nh * hd, nkv * hd, nkv * hd], dim=-1)
         inference = _fused_inference(proj, cos, self.q_norm.weight)
         if inference:  # norms and rope in place on the projection: no [T, heads, hd] temporaries
@@ -362,7 +377,7 @@ class GatedAttention(nn.Module):
         else:
             o = cached_attention(q, k, v.view(N, T, nkv, hd), k_cache, v_cache, slots, start, hd ** -0.5)
         o = o.reshape(N, T, nh * hd)
-        return self.o_proj(o.mul_(gate.sigmoid_()) if inference else o * torch.sigmoid(gate))
+        return o.mul_(gate.sigmoid_()) if inference else o * torch.sigmoid(gate)
 
 
 class MLP(nn.Module):

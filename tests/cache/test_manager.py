@@ -28,6 +28,13 @@ def fresh_logits(model, tokens):
     return model(torch.tensor([tokens]), model.new_state(1, len(tokens)), [0], logits="all")[0]
 
 
+def same(ours, fresh):
+    """A fresh pass's values (logits, states) up to float32 rounding: passes cut elsewhere (a checkpoint, a last chunk
+    of a few tokens, which run one at a time as decode steps) round otherwise, measured up to 1.7e-5 of the logits'
+    std on the MoE models; a wrong state moves them by about their std."""
+    assert (ours - fresh).abs().max() <= 5e-5 * fresh.std()
+
+
 def prefill(runner, prompt):
     """Admit `prompt` like the scheduler does; returns (slot, reused, logits [T - reused, V] of the fed tokens)."""
     slot, reused = runner.acquire(prompt)
@@ -49,7 +56,7 @@ def test_divergent_prompt_restores_the_newest_checkpoint_before_the_divergence(a
     assert (slot2 == slot) == (into == "same-slot")
     assert reused == 32 and runner.cache.restored_tokens == 32
     assert runner.history[slot2] == second
-    torch.testing.assert_close(logits, fresh_logits(model, second)[32:], atol=1e-5, rtol=1e-5)
+    same(logits, fresh_logits(model, second)[32:])
 
 
 @pytest.mark.parametrize("arch", ARCHES)
@@ -64,7 +71,7 @@ def test_a_prompt_leaving_another_just_before_its_end_prefills_only_a_few_tokens
     second = first[:68] + rand(model, 7, seed=12)  # leaves the first prompt 7 tokens before its end
     slot, reused, logits = prefill(runner, second)
     assert reused == 75 - 8 and runner.cache.hits == 1
-    torch.testing.assert_close(logits, fresh_logits(model, second)[67:], atol=1e-5, rtol=1e-5)
+    same(logits, fresh_logits(model, second)[67:])
 
 
 def test_a_prompt_extending_the_live_state_continues_it(loaded):
@@ -77,7 +84,7 @@ def test_a_prompt_extending_the_live_state_continues_it(loaded):
     longer = first + [5] + rand(model, 9, seed=4)
     slot2, reused, logits = prefill(runner, longer)
     assert (slot2, reused, runner.cache.restored_tokens) == (slot, 38, 0)  # live state, not the checkpoint at 32
-    torch.testing.assert_close(logits, fresh_logits(model, longer)[38:], atol=1e-5, rtol=1e-5)
+    same(logits, fresh_logits(model, longer)[38:])
 
 
 def test_eviction_keeps_the_budget(loaded):
@@ -99,7 +106,7 @@ def test_eviction_keeps_the_budget(loaded):
     again = prompts[0][:2 * EVERY + 1] + [7]  # its checkpoints are gone: prefilled from scratch, still right
     _, reused, logits = prefill(runner, again)
     assert reused == 0
-    torch.testing.assert_close(logits, fresh_logits(model, again), atol=1e-5, rtol=1e-5)
+    same(logits, fresh_logits(model, again))
 
 
 def test_a_freed_slot_taken_by_another_prompt_starts_clean(loaded):
@@ -112,7 +119,7 @@ def test_a_freed_slot_taken_by_another_prompt_starts_clean(loaded):
     assert (slot2, reused) == (slot, 0) and runner.history[slot] == []
     assert all(not t[slot].any() for t in runner.state.tensors()) and int(runner.state.lengths[slot]) == 0
     logits = runner.forward([slot], [other], logits="all")[0]
-    torch.testing.assert_close(logits, fresh_logits(model, other), atol=1e-5, rtol=1e-5)
+    same(logits, fresh_logits(model, other))
 
 
 def test_a_restore_cut_short_leaves_the_slot_empty(loaded, monkeypatch):
@@ -136,7 +143,7 @@ def test_a_restore_cut_short_leaves_the_slot_empty(loaded, monkeypatch):
     assert runner.history[slot] == [] and runner.free_slots() == 1
     longer = first + rand(model, 9, seed=4)  # would continue the slot's state if it still claimed `first`
     slot, reused, logits = prefill(runner, longer)
-    torch.testing.assert_close(logits, fresh_logits(model, longer)[reused:], atol=1e-5, rtol=1e-5)
+    same(logits, fresh_logits(model, longer)[reused:])
 
 
 def test_decode_and_rollback_save_the_checkpoints_they_pass(loaded):
@@ -160,11 +167,11 @@ def test_decode_and_rollback_save_the_checkpoints_they_pass(loaded):
         model(torch.tensor([seq[:end]]), ref, [0])
         for mine, theirs in zip(path[-1].recurrent.conv + path[-1].recurrent.ssm, ref.conv + ref.ssm):
             if mine is not None:
-                torch.testing.assert_close(mine, theirs[0], atol=1e-5, rtol=1e-5)
+                same(mine, theirs[0])
         keys = torch.cat([b.k[3] for b in path])  # layer 3 is the attention layer of the tiny model
         torch.testing.assert_close(keys, ref.k[3][0, :end], atol=1e-4, rtol=1e-4)  # |k| ~ 1, other chunking
     logits = runner.forward([slot], [seq[35:]], logits="all")[0]
-    torch.testing.assert_close(logits, fresh_logits(model, seq)[35:], atol=1e-5, rtol=1e-5)
+    same(logits, fresh_logits(model, seq)[35:])
 
 
 @pytest.mark.parametrize("arch", ARCHES)
@@ -184,13 +191,13 @@ def test_marked_positions_and_answer_ends_are_restored_exactly(arch, loaded):
     stripped = turn[:41] + rand(model, 9, seed=9)  # the next prompt leaves the history at 41
     slot, reused, logits = prefill(runner, stripped)
     assert reused == 41 and runner.cache.hits == 1
-    torch.testing.assert_close(logits, fresh_logits(model, stripped)[41:], atol=1e-5, rtol=1e-5)
+    same(logits, fresh_logits(model, stripped)[41:])
     runner.release(slot)
 
     kept = turn + answer[:-1] + rand(model, 5, seed=10)  # ... or keeps the answer: restored from its end
     slot, reused, logits = prefill(runner, kept)
     assert reused == 50 and runner.cache.restored_tokens == 41 + 50
-    torch.testing.assert_close(logits, fresh_logits(model, kept)[50:], atol=1e-5, rtol=1e-5)
+    same(logits, fresh_logits(model, kept)[50:])
 
 
 def test_a_long_prompt_keeps_checkpoints_sparser_with_depth_and_dense_at_its_end(loaded):

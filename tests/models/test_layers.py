@@ -9,8 +9,8 @@ import torch
 
 from deltaserve.models import layers
 from deltaserve.ops import fused
-from deltaserve.models.layers import (Experts, GatedAttention, RMSNorm, RotaryEmbedding, apply_rotary, cached_attention, softmax_topk,
-                                      swiglu)
+from deltaserve.models.layers import (STEP_TOKENS, Experts, GatedAttention, RMSNorm, RotaryEmbedding, apply_rotary,
+                                      cached_attention, softmax_topk, swiglu)
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -165,12 +165,13 @@ def test_one_token_takes_the_experts_as_grouping_does(first):
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["f32_cache", "f16_cache"])
 @pytest.mark.parametrize("hd", [20, 48], ids=["hd20", "hd48"])  # 48: whole 16-lane vectors and no tail
-@pytest.mark.parametrize("T, kernel", [(1, "attention_step"), (5, "norm_rope_rows")], ids=["decode", "prefill"])
-def test_attention_kernels_equal_torch_path(T, kernel, hd, cache_dtype, monkeypatch):
-    """Two sequences, one new token each (the fused decode step) or five (q/k norms and rope in place, then
-    attention over the cache): inference against the layer's torch ops (taken whenever autograd is on),
-    which test_cached_attention_against_naive_loop checks longhand. A float16 cache holds the new keys
-    rounded: both paths attend over what the cache holds."""
+@pytest.mark.parametrize("T, kernel, calls_expected", [(1, "attention_step", 1), (5, "attention_step", 5),
+                                              (STEP_TOKENS + 4, "norm_rope_rows", 1)], ids=["decode", "verify", "prefill"])
+def test_attention_kernels_equal_torch_path(T, kernel, calls_expected, hd, cache_dtype, monkeypatch):
+    """Two sequences, one new token each (the fused decode step), five (a verify pass: a decode step per token)
+    or twelve (q/k norms and rope in place, then attention over the cache): inference against the layer's torch ops
+    (taken whenever autograd is on), which test_cached_attention_against_naive_loop checks longhand. A float16
+    cache holds the new keys rounded: both paths attend over what the cache holds."""
     nh, nkv, rot, E = 6, 2, 12, 16
     attn = GatedAttention(E, nh, nkv, hd, eps=1e-6)
     with torch.no_grad():
@@ -179,7 +180,7 @@ def test_attention_kernels_equal_torch_path(T, kernel, hd, cache_dtype, monkeypa
     slots, start = torch.tensor([3, 1]), torch.tensor([9, 4])
     x = randn(2, T, E)
     cos, sin = RotaryEmbedding(rot, 1000.0)(start[:, None] + torch.arange(T))
-    caches = [randn(4, 16, nkv, hd).to(cache_dtype), randn(4, 16, nkv, hd).to(cache_dtype)]
+    caches = [randn(4, 24, nkv, hd).to(cache_dtype), randn(4, 24, nkv, hd).to(cache_dtype)]
     kernel_caches, torch_caches = [c.clone() for c in caches], [c.clone() for c in caches]
     ext, calls = fused.extension(), []
 
@@ -191,8 +192,8 @@ def test_attention_kernels_equal_torch_path(T, kernel, hd, cache_dtype, monkeypa
     monkeypatch.setattr(fused, "extension", Spy)
     with torch.no_grad():
         got = attn(x, cos, sin, *kernel_caches, slots, start)
-    assert calls.count(kernel) == 1  # the kernel took this pass
-    assert T == 1 or calls.count("attention_cached") == 1  # a prefill attends through the tiled kernel
+    assert calls.count(kernel) == calls_expected  # the kernel took this pass
+    assert kernel == "attention_step" or calls.count("attention_cached") == 1  # a prefill attends through the tiles
     with torch.enable_grad():
         want = attn(x, cos, sin, *torch_caches, slots, start)
     # float16: a last-bit difference in a new key (the two paths norm and rotate in their own order) may round

@@ -11,7 +11,7 @@ import torch
 
 from deltaserve.engine.llm import DEFAULT_MODEL
 from deltaserve.loader import open_checkpoint
-from deltaserve.models import QwenModel
+from deltaserve.models import QwenModel, load_model
 from deltaserve.models.base import HybridModel
 from deltaserve.models import mtp as mtp_layer
 from deltaserve.models.layers import Q8_BLOCK, Linear, linear, q8_0_copy, q8_int8
@@ -248,3 +248,26 @@ def test_greedy_step_in_one_call_is_the_stepwise_path(arch, aligned, tmp_path):
         assert torch.equal(states[0].lengths, states[1].lengths)
         pending = following
     assert (kept > 0) == aligned  # the aligned model's drafts are all kept at some steps; random ones never
+
+
+@pytest.mark.parametrize("path", ["plan", "modules"])
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "qwen3next"])
+def test_a_verify_pass_gives_the_bits_of_decode_steps(arch, path, tmp_path, monkeypatch):
+    """The logits of a pass over 5 tokens keeping snapshots (speculative verify) are those of 5 decode steps, bit
+    for bit, on both paths: its attention, conv and delta rule run token by token as a step does, and the gates
+    a row at a time (16 value heads: the ATen ops had vectorised 80 gates of a pass but not 16 of a step). So
+    greedy speculative decoding keeps plain decoding's tokens even where two logits nearly tie."""
+    from deltaserve import convert
+
+    file = tmp_path / "m.gguf"
+    convert.make_model(arch, "tiny", "f16", file, seed=4, changes={"linear_v_heads": 16, "linear_k_heads": 4})
+    model = load_model(open_checkpoint(file))  # float16 weights as stored: our GEMVs, whose rows are batch-invariant
+    if path == "modules":
+        monkeypatch.setattr(QwenModel, "decode_step", HybridModel.decode_step)
+    ids = torch.randint(0, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(8))
+    stepped, verified = model.new_state(3, 40), model.new_state(3, 40)
+    for state in (stepped, verified):
+        model(ids[:, :21], state, [2, 0])
+    steps = torch.stack([model(ids[:, t:t + 1], stepped, [2, 0]) for t in range(21, 26)], dim=1)
+    assert torch.equal(model(ids[:, 21:26], verified, [2, 0], logits="all", snapshots=5), steps)
+    assert all(torch.equal(a, b) for a, b in zip(stepped.tensors(), verified.tensors()))

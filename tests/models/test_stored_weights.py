@@ -33,7 +33,9 @@ def test_stored_weights_match_f32_storage(arch, file_dtype, stored, text, tmp_pa
     assert torch.equal(f32.model.embed.weight, table)
     assert sum(w.dtype == stored for w in linears) > len(linears) // 2
     ids = kept.tokenizer.encode(text)
-    torch.testing.assert_close(kept.score(ids), f32.score(ids), rtol=1e-5, atol=1e-5)  # prefill
+    kept_logits, f32_logits = kept.score(ids), f32.score(ids)  # prefill: float32 rounding apart (other kernels);
+    # measured up to 1.6e-5 of the logits' std (the MoE models, Q8_0), where a wrong block or row moves them by ~1
+    assert (kept_logits - f32_logits).abs().max() < 5e-5 * f32_logits.std()
     a = kept.generate(ids, max_tokens=16, temperature=0, ignore_eos=True)  # decode
     b = f32.generate(ids, max_tokens=16, temperature=0, ignore_eos=True)
     assert a.token_ids == b.token_ids

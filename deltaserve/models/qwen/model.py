@@ -53,11 +53,15 @@ class GatedDeltaNet(nn.Module):
         H, HV, K, V = self.H, self.HV, self.K, self.V
         cached = conv_state is not None
         proj = self.in_proj(x)
-        if not snapshots and slots is not None and _core_applies(proj, conv_state, ssm_state, self.conv_weight):
-            # inference on the caches: conv, gates, delta rule and gated norm in one C++ call
-            o = fused.extension().gdn_core(proj, self.conv_weight, conv_state, slots, self.A, self.dt_bias, ssm_state,
-                                           self.norm.weight, self.norm.eps, H)
-            return self.out_proj(o)
+        if slots is not None and _core_applies(proj, conv_state, ssm_state, self.conv_weight):
+            # inference on the caches: conv, gates, delta rule and gated norm in one C++ call (keeping what
+            # rollback reads, with snapshots)
+            tape = torch.empty(N, conv_state.shape[1] + T, self.conv_dim) if snapshots else fused.EMPTY_F32
+            kept = torch.empty(N, snapshots, HV, K, V) if snapshots else fused.EMPTY_F32
+            o = fused.extension().gdn_core_kept(proj, self.conv_weight, conv_state, slots, self.A, self.dt_bias,
+                                                ssm_state, self.norm.weight, self.norm.eps, H, tape, kept)
+            y = self.out_proj(o)
+            return (y, tape, kept) if snapshots else y
         qkv, z, b, a = proj.split([self.conv_dim, HV * V, HV, HV], dim=-1)
         tape = conv_tape(conv_state, slots, qkv) if snapshots else None
         qkv, _ = causal_conv1d(qkv, self.conv_weight, conv_state=conv_state, state_indices=slots, inplace=cached,

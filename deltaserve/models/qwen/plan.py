@@ -24,8 +24,8 @@ import torch
 from deltaserve.models import layers as layer_ops
 from deltaserve.models import packed
 from deltaserve.models import mtp as mtp_layer
-from deltaserve.models.layers import (_GEMV_ROWS, _STEP_CACHE_DTYPES, MLP, Q8_BLOCK, SparseMoE, _split_decode, part,
-                                      q8_0_copy, q8_int8)
+from deltaserve.models.layers import (_GEMV_ROWS, _STEP_CACHE_DTYPES, MLP, Q8_BLOCK, STEP_TOKENS, SparseMoE,
+                                      _split_decode, part, q8_0_copy, q8_int8)
 from deltaserve.ops import fused
 
 _NONE = torch.empty(0)  # a layer's missing cache or gather
@@ -67,7 +67,7 @@ def _caches(model, state, layers: range, N: int, T: int, start: torch.Tensor):
         else:
             k, v = state.k[i], state.v[i]
             if (k.dtype not in _STEP_CACHE_DTYPES or v.dtype != k.dtype or not k.is_cpu
-                    or (T == 1 and _split_decode(N * model.layers[i].mixer.num_kv_heads, start))):
+                    or (T <= STEP_TOKENS and _split_decode(N * model.layers[i].mixer.num_kv_heads, start))):
                 return None
             conv.append(_NONE), ssm.append(_NONE), keys.append(k), values.append(v)
     return conv, ssm, keys, values

@@ -10,6 +10,10 @@
 
 namespace deltaserve {
 
+// Sequences of at most this many tokens go through conv_step4 a token at a time, so that a speculative verify pass
+// gives a decode step's bits (its sums run in another order than the blocked loop's).
+constexpr int64_t kConvStepTokens = 8;
+
 // The conv for exactly one token of each of N sequences, kernel width 4: a few microseconds of work, less
 // than waking a second thread or laying the weight out tap-major would cost.
 void conv_step4(const float* xp, int64_t xs, const float* wp, const float* bp, float* sp, const int64_t* cu,
@@ -61,10 +65,20 @@ void conv_forward(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, tor
   const int64_t os = out.stride(0);
   const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
   const int64_t* idx = state_idx.numel() ? state_idx.data_ptr<int64_t>() : nullptr;
-  bool one_each = W == 4;
-  for (int64_t n = 0; n < N && one_each; ++n) one_each = cu[n + 1] - cu[n] == 1;
-  if (one_each) {  // one token per sequence (decode): no blocks, no threads
+  int64_t longest = 0;
+  for (int64_t n = 0; n < N; ++n) longest = std::max(longest, cu[n + 1] - cu[n]);
+  if (W == 4 && longest == 1) {  // one token per sequence (decode): no blocks, no threads
     conv_step4(xp, xs, wsrc, bp, sp, cu, idx, op, os, N, C, silu);
+    return;
+  }
+  if (W == 4 && longest <= kConvStepTokens) {  // a few (a verify pass): token by token, each as a decode step
+    std::vector<int64_t> at, rows;             // the sequences that have an i-th token: its row, their state rows
+    for (int64_t i = 0; i < longest; ++i) {
+      at.clear(), rows.clear();
+      for (int64_t n = 0; n < N; ++n)
+        if (cu[n] + i < cu[n + 1]) at.push_back(cu[n] + i), rows.push_back(idx ? idx[n] : n);
+      conv_step4(xp, xs, wsrc, bp, sp, at.data(), rows.data(), op, os, static_cast<int64_t>(at.size()), C, silu);
+    }
     return;
   }
   constexpr int64_t CB = 256;

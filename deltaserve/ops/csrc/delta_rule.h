@@ -23,6 +23,11 @@ namespace deltaserve {
 constexpr int64_t kWindow = 256;
 constexpr int64_t kMaxVB = 64;
 constexpr int64_t kCopyMinTokens = 4;
+// A sequence with at most this many tokens in a window (a speculative verify pass, a short chunk) goes through them
+// one at a time, each exactly as a decode step computes it: a verify pass then gives a decode step's bits, so greedy
+// speculative decoding keeps plain decoding's tokens even where two logits nearly tie (the deferred decay below
+// rounds otherwise). Each token costs a sweep more than in the deferred sweep: nothing at these lengths.
+constexpr int64_t kStepTokens = 8;
 constexpr int64_t kPrefetch = 8;  // tokens ahead for the strided v and o rows
 // Below this, a row's deferred decay is applied to the stored row: it keeps k[i] / c[i] and the stored
 // values far from float32 overflow (3e38) whatever the gates.
@@ -94,9 +99,10 @@ inline void pack_gate(const Args& a, int64_t w0, int64_t x) {
 // The last token of a task applies the decay to the stored rows (c = 1 after it), so the state it
 // writes back is the true one.
 template <int VB, bool PC>
-void run_task(const Args& a, int64_t w0, int64_t w1, int64_t n, int64_t hv, int64_t c0, int64_t vb_dyn) {
+void run_task(const Args& a, int64_t w0, int64_t t0, int64_t t1, int64_t n, int64_t hv, int64_t c0, int64_t vb_dyn) {
+  // tokens t0 .. t1 - 1 of sequence n, in the packed window that starts at token w0
   const int64_t K = a.K, V = a.V, vb = VB > 0 ? VB : vb_dyn;
-  const int64_t end = a.cu[n + 1], t0 = std::max(a.cu[n], w0), t1 = std::min(end, w1);
+  const int64_t end = a.cu[n + 1];
   if (t0 >= t1) return;
   const int64_t es = PC ? K : 1;  // the decay of token t: e[(t - w0) * es], per row i: + i
   const float* const qn = a.qn + (hv / (a.HV / a.H) * a.W - w0) * K;  // token t at qn + t * K
@@ -245,11 +251,21 @@ void run_task(const Args& a, int64_t w0, int64_t w1, int64_t n, int64_t hv, int6
 }
 
 template <bool PC>
+void run_span(const Args& a, int64_t w0, int64_t t0, int64_t t1, int64_t n, int64_t hv, int64_t c0, int64_t width) {
+  if (width == 64) run_task<64, PC>(a, w0, t0, t1, n, hv, c0, width);
+  else if (width == 32) run_task<32, PC>(a, w0, t0, t1, n, hv, c0, width);
+  else if (width == 16) run_task<16, PC>(a, w0, t0, t1, n, hv, c0, width);
+  else run_task<0, PC>(a, w0, t0, t1, n, hv, c0, width);
+}
+
+// Sequence n's tokens in the window [w0, w1): a few one at a time (see kStepTokens), more in one sweep.
+template <bool PC>
 void run_block(const Args& a, int64_t w0, int64_t w1, int64_t n, int64_t hv, int64_t c0, int64_t width) {
-  if (width == 64) run_task<64, PC>(a, w0, w1, n, hv, c0, width);
-  else if (width == 32) run_task<32, PC>(a, w0, w1, n, hv, c0, width);
-  else if (width == 16) run_task<16, PC>(a, w0, w1, n, hv, c0, width);
-  else run_task<0, PC>(a, w0, w1, n, hv, c0, width);
+  const int64_t t0 = std::max(a.cu[n], w0), t1 = std::min(a.cu[n + 1], w1);
+  if (t1 - t0 <= kStepTokens)
+    for (int64_t t = t0; t < t1; ++t) run_span<PC>(a, w0, t, t + 1, n, hv, c0, width);
+  else
+    run_span<PC>(a, w0, t0, t1, n, hv, c0, width);
 }
 
 // x [B, T, heads, D] as the kernel reads it: float32 [..., tokens, heads, D], each token's heads x D

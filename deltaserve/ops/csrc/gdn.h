@@ -47,27 +47,37 @@ torch::Tensor gdn_core_kept(torch::Tensor proj, torch::Tensor conv_weight, torch
 
   const torch::Tensor tokens = proj.view({N * T, D});
   const torch::Tensor qkv = tokens.narrow(1, 0, C);
-  if (tape.defined()) {  // before the conv overwrites its input
+  const bool keep = tape.defined() && tape.numel();  // (undefined or empty: no rollback wanted)
+  if (keep) {  // before the conv overwrites its input
     const int64_t W1 = conv_state.size(1);
     TORCH_CHECK(tape.scalar_type() == at::kFloat && tape.dim() == 3 && tape.size(0) == N && tape.size(1) == W1 + T &&
                     tape.size(2) == C, "gdn_core: tape must be float32 [N, W-1+T, C]");
     for (int64_t n = 0; n < N; ++n) tape[n].narrow(0, 0, W1).copy_(conv_state[rows[n]]);
     tape.narrow(1, W1, T).copy_(proj.narrow(2, 0, C));
   }
-  TORCH_CHECK(!snaps.defined() || (snaps.scalar_type() == at::kFloat && snaps.is_contiguous() && snaps.dim() == 5 &&
+  TORCH_CHECK(!keep || (snaps.defined() && snaps.scalar_type() == at::kFloat && snaps.is_contiguous() && snaps.dim() == 5 &&
                                    snaps.size(0) == N && snaps.size(2) == HV && snaps.size(3) == K && snaps.size(4) == V),
               "gdn_core: snaps must be float32 contiguous [N, depth, HV, K, V]");
   conv_forward(qkv, conv_weight, torch::Tensor(), conv_state, cu_t, slots, qkv, true);
 
-  // the gates through the same ATen ops as the modules' torch expression, so both paths give the same bits
-  const torch::Tensor beta = at::sigmoid(tokens.narrow(1, C + HV * V, HV)).view({N, T, HV});
-  const torch::Tensor g = (A * at::softplus(tokens.narrow(1, C + HV * V + HV, HV) + dt_bias)).view({N, T, HV});
+  // The gates, a token's row at a time: each row's values then do not depend on how many rows come together (the
+  // ATen ops vectorised over all of them, so a verify pass's first tokens rounded otherwise than a decode step's).
+  torch::Tensor beta = at::empty({N, T, HV}, proj.options()), g = at::empty({N, T, HV}, proj.options());
+  const float *pp = proj.data_ptr<float>(), *Ap = A.data_ptr<float>(), *dp = dt_bias.data_ptr<float>();
+  float *bp = beta.data_ptr<float>(), *gp = g.data_ptr<float>();
+  for (int64_t r = 0; r < N * T; ++r)
+    for (int64_t h = 0; h < HV; ++h) {
+      const float b = pp[r * D + C + HV * V + h], x = pp[r * D + C + HV * V + HV + h] + dp[h];
+      bp[r * HV + h] = 1.f / (1.f + std::exp(-b));
+      gp[r * HV + h] = Ap[h] * (x > 20.f ? x : std::log1p(std::exp(x)));  // softplus, as torch's (threshold 20)
+    }
 
   const torch::Tensor q = proj.narrow(2, 0, H * K).unflatten(2, {H, K});
   const torch::Tensor k = proj.narrow(2, H * K, H * K).unflatten(2, {H, K});
   const torch::Tensor v = proj.narrow(2, 2 * H * K, HV * V).unflatten(2, {HV, V});
   torch::Tensor o = at::empty({N, T, HV, V}, at::TensorOptions().dtype(at::kFloat));
-  gdr_run(q, k, v, g, beta, ssm_state, cu.data(), N, rows, o, snaps, 1.0 / std::sqrt(static_cast<double>(K)), true);
+  gdr_run(q, k, v, g, beta, ssm_state, cu.data(), N, rows, o, keep ? snaps : torch::Tensor(),
+          1.0 / std::sqrt(static_cast<double>(K)), true);
 
   const torch::Tensor z = tokens.narrow(1, C, HV * V).unflatten(1, {HV, V});  // [tokens, HV, V]
   rms_norm(o, norm_weight, eps, o, z, 1);

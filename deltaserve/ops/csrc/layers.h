@@ -13,6 +13,75 @@
 
 namespace deltaserve {
 
+// The index of the largest value of each row of x [M, N] float32 contiguous (N >= 1): the first of equal ones (0.0
+// and -0.0 equal), the first NaN where a row has one, as torch.argmax chooses. Greedy decoding's choice over a row of
+// logits, where the ATen op cost 10 us on 4,096 values. The values are compared as integers that order as the floats
+// do, which -ffast-math cannot reorder away (in float, its max reduction lost a row of -inf): a vectorised maximum,
+// then the first index holding it.
+inline int32_t float_order(uint32_t bits) {
+  const int32_t k = static_cast<int32_t>(bits == 0x80000000u ? 0u : bits);
+  return k ^ ((k >> 31) & 0x7fffffff);  // negative floats: larger magnitudes lower
+}
+
+inline torch::Tensor argmax_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) >= 1 && x.is_contiguous(),
+              "argmax_rows: x must be float32 [M, N >= 1] contiguous");
+  const int64_t M = x.size(0), N = x.size(1);
+  torch::Tensor out = at::empty({M}, at::TensorOptions().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    const uint32_t* bits = reinterpret_cast<const uint32_t*>(x.data_ptr<float>()) + m * N;
+    int32_t best = INT32_MIN;
+    uint32_t nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+    for (int64_t j = 0; j < N; ++j) {
+      best = std::max(best, float_order(bits[j]));
+      nan |= (bits[j] & 0x7fffffffu) > 0x7f800000u;
+    }
+    int64_t at = 0;
+    if (nan)
+      while ((bits[at] & 0x7fffffffu) <= 0x7f800000u) ++at;
+    else
+      while (float_order(bits[at]) != best) ++at;
+    op[m] = at;
+  }
+  return out;
+}
+
+// The row loops below that at::parallel_for runs are functions of their own, never inlined: parallel_for calls its
+// body inline (few rows, one thread) or on the threads, GCC compiled the two call sites apart and reassociated the
+// sums differently in each (-ffast-math), so a row's bits depended on how many rows came with it (a verify pass's
+// 80 gated rows against a decode step's 16). One compiled copy keeps every row the same bits.
+[[gnu::noinline]] inline void rms_norm_rows(const float* xp, const float* wp, float* op, const float* gp, int64_t D,
+                                          double eps, int64_t per_token, int64_t gs, int64_t gr, int64_t act,
+                                          int64_t lo, int64_t hi) {
+  for (int64_t m = lo; m < hi; ++m) {
+    const float* xr = xp + m * D;
+    float* orow = op + m * D;
+    // 16 partial sums in a fixed order: the result must not depend on where the row lies in memory
+    // (a vectoriser aligning its loads would otherwise change the rounding between calls)
+    float part[16] = {0.f};
+    int64_t i = 0;
+    for (; i + 16 <= D; i += 16)
+      for (int j = 0; j < 16; ++j) part[j] += xr[i + j] * xr[i + j];
+    for (; i < D; ++i) part[i % 16] += xr[i] * xr[i];
+    float ss = 0.f;
+    for (int j = 0; j < 16; ++j) ss += part[j];
+    const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) orow[i] = xr[i] * r * wp[i];
+    if (!gp) continue;
+    const float* g = gp + (m / per_token) * gs + (m % per_token) * gr;
+    if (act == 1) {
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) orow[i] *= g[i] / (1.f + std::exp(-g[i]));
+    } else {
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) orow[i] *= 1.f / (1.f + std::exp(-g[i]));
+    }
+  }
+}
+
 // out = x / sqrt(mean(x^2) + eps) * w over rows of D = w.numel(); x, out float32 contiguous [..., D] (out may be
 // x: a row is summed before it is written). One call
 // instead of the six small ops of the torch expression (a decode step runs ~80 norms). With a gate (float32
@@ -26,47 +95,28 @@ void rms_norm(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor out, t
   const float* gp = gate.numel() ? gate.data_ptr<float>() : nullptr;
   const int64_t per_token = gp ? gate.size(1) : 1, gs = gp ? gate.stride(0) : 0, gr = gp ? gate.stride(1) : 0;
   at::parallel_for(0, M, 64, [&](int64_t lo, int64_t hi) {
-    for (int64_t m = lo; m < hi; ++m) {
-      const float* xr = xp + m * D;
-      float* orow = op + m * D;
-      // 16 partial sums in a fixed order: the result must not depend on where the row lies in memory
-      // (a vectoriser aligning its loads would otherwise change the rounding between calls)
-      float part[16] = {0.f};
-      int64_t i = 0;
-      for (; i + 16 <= D; i += 16)
-        for (int j = 0; j < 16; ++j) part[j] += xr[i + j] * xr[i + j];
-      for (; i < D; ++i) part[i % 16] += xr[i] * xr[i];
-      float ss = 0.f;
-      for (int j = 0; j < 16; ++j) ss += part[j];
-      const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) orow[i] = xr[i] * r * wp[i];
-      if (!gp) continue;
-      const float* g = gp + (m / per_token) * gs + (m % per_token) * gr;
-      if (act == 1) {
-#pragma omp simd
-        for (int64_t i = 0; i < D; ++i) orow[i] *= g[i] / (1.f + std::exp(-g[i]));
-      } else {
-#pragma omp simd
-        for (int64_t i = 0; i < D; ++i) orow[i] *= 1.f / (1.f + std::exp(-g[i]));
-      }
-    }
+    rms_norm_rows(xp, wp, op, gp, D, eps, per_token, gs, gr, act, lo, hi);
   });
 }
 
 // out [M, I] = silu(x[:, :I]) * x[:, I:] (SwiGLU); x [M, 2I] and out float32, rows any stride apart (out may
 // be x[:, :I] itself: each element is read before it is written).
+[[gnu::noinline]] inline void silu_mul_rows(const float* xp, int64_t xs, float* op, int64_t os, int64_t I, int64_t lo,
+                                            int64_t hi) {
+  for (int64_t m = lo; m < hi; ++m) {
+    const float *g = xp + m * xs, *u = g + I;
+    float* o = op + m * os;
+#pragma omp simd
+    for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
+}
+
 void silu_mul(torch::Tensor x, torch::Tensor out) {
   const int64_t M = out.size(0), I = out.size(1), xs = x.stride(0), os = out.stride(0);
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / std::max<int64_t>(I, 1)), [&](int64_t lo, int64_t hi) {
-    for (int64_t m = lo; m < hi; ++m) {
-      const float *g = xp + m * xs, *u = g + I;
-      float* o = op + m * os;
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    }
+    silu_mul_rows(xp, xs, op, os, I, lo, hi);
   });
 }
 

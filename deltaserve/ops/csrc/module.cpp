@@ -27,6 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdr_forward", &deltaserve::gdr_forward, "fused gated delta rule (CPU, float32)");
   m.def("gdr_inplace", &deltaserve::gdr_inplace, "the common in-place call, checked in C++; None for any other");
   m.def("gdn_core", &deltaserve::gdn_core, "a GDN layer's conv, gates, delta rule and gated norm at inference (CPU)");
+  m.def("gdn_core_kept", &deltaserve::gdn_core_kept, "gdn_core keeping the conv tape and delta-rule states (CPU)");
   m.def("conv_forward", &deltaserve::conv_forward, "short causal depthwise conv with state (CPU, float32)");
   m.def("linear_f16", &deltaserve::linear_f16, "float32 activations times float16 weights, decode GEMV (CPU)");
   m.def("linear_f16_shares", [](torch::Tensor x, torch::Tensor w, torch::Tensor y) {
@@ -40,6 +41,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("norm_rope_rows", &deltaserve::norm_rope_rows, "q/k RMSNorm + rope of attention rows in place (CPU, float32)");
   m.def("attention_step", &deltaserve::attention_step, "a decode step of gated attention (CPU, float32)");
   m.def("silu_mul", &deltaserve::silu_mul, "silu(x[:, :I]) * x[:, I:] (CPU, float32)");
+  m.def("argmax_rows", &deltaserve::argmax_rows, "each row's first largest value's index, or first NaN's (CPU, float32)");
   m.def("linear_q8", &deltaserve::linear_q8, "float32 activations times Q8_0 weights (CPU)");
   m.def("linear_q8_int8", &deltaserve::q8::linear_q8_int8, "activations rounded per 32 to Q8_0 times Q8_0 weights (CPU)");
   m.def("q8_int8", [] { return deltaserve::q8::kQ8Int8; }, "whether this build has the Q8_0 integer kernels");

@@ -209,12 +209,8 @@ class DecodePlan {
       rms_norm(h, l.input_norm, l.eps, x, none, 0);
       const torch::Tensor proj = l.in(x);
       torch::Tensor mixed;
-      if (l.attention && T == 1) {
-        const int64_t hd = l.q_norm.numel();
-        torch::Tensor o = at::empty({N, l.heads * hd}, f32);
-        attention_step(proj, l.q_norm, l.k_norm, l.inner_eps, cos, sin, k_cache[i], v_cache[i], slots, start,
-                       1.0 / std::sqrt(static_cast<double>(hd)), o);
-        mixed = l.out(o);
+      if (l.attention && T <= kStepTokens) {
+        mixed = l.out(attention_steps(l, proj, N, T, cos, sin, k_cache[i], v_cache[i], slots, start));
       } else if (l.attention) {
         mixed = l.out(attention_tokens(l, proj, N, T, cos, sin, k_cache[i], v_cache[i], slots, start));
       } else {
@@ -250,6 +246,31 @@ class DecodePlan {
       k_cache[sp[n]].narrow(0, pp[n], T).copy_(k[n]);
       v_cache[sp[n]].narrow(0, pp[n], T).copy_(v[n]);
     }
+  }
+
+  // Gated attention of T <= kStepTokens tokens of each of N sequences, token by token as a decode step attends (the
+  // one-call kernel), so that a verify pass gives a decode step's bits (models/layers.py STEP_TOKENS does the same).
+  // proj [N T, D] -> [N T, nh hd], the output projection's input.
+  static torch::Tensor attention_steps(const LayerPlan& l, torch::Tensor proj, int64_t N, int64_t T, torch::Tensor cos,
+                                       torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                                       torch::Tensor slots, torch::Tensor start) {
+    const int64_t hd = l.q_norm.numel();
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+    if (T == 1) {
+      torch::Tensor o = at::empty({N, l.heads * hd}, f32);
+      attention_step(proj, l.q_norm, l.k_norm, l.inner_eps, cos, sin, k_cache, v_cache, slots, start, scale, o);
+      return o;
+    }
+    torch::Tensor o = at::empty({N, T, l.heads * hd}, f32), ot = at::empty({N, l.heads * hd}, f32);
+    const torch::Tensor rows = proj.view({N, T, proj.size(1)});
+    const torch::Tensor c = cos.view({N, T, cos.size(1)}), s = sin.view({N, T, sin.size(1)});
+    for (int64_t t = 0; t < T; ++t) {
+      attention_step(rows.select(1, t), l.q_norm, l.k_norm, l.inner_eps, c.select(1, t).contiguous(),
+                     s.select(1, t).contiguous(), k_cache, v_cache, slots, start + t, scale, ot);
+      o.select(1, t).copy_(ot);
+    }
+    return o.view({N * T, l.heads * hd});
   }
 
   // Gated attention over T tokens of each of N sequences, as the modules' prefill path computes it: q / k norms
@@ -325,7 +346,7 @@ class MTPPlan {
       torch::Tensor g = layer_.step(input(tok, h), pick(slots), pick(start) + s, pick(cos).select(1, s).contiguous(),
                                     pick(sin).select(1, s).contiguous(), {none}, {none}, {k_cache}, {v_cache});
       rms_norm(g, norm_, eps_, g, none, 0);
-      tok = head_(g).argmax(-1);
+      tok = argmax_rows(head_(g));
       h = g;
       drafts.index_put_({rows, s}, tok);
     }

@@ -63,7 +63,7 @@ class GreedySpec {
     before.select(1, 0).copy_(hidden);
     before.narrow(1, 1, T - 1).copy_(h.view({N, T, E}).narrow(1, 0, T - 1));
     mtp_.follow(flat, before.view({N * T, E}), T, slots, start, cs, sn, mtp_k, mtp_v);
-    const torch::Tensor best = head_(h).argmax(-1).view({N, T}).contiguous();
+    const torch::Tensor best = argmax_rows(head_(h)).view({N, T});
 
     torch::Tensor accepted = at::empty({N}, drafts.options()), next = at::empty({N}, drafts.options());
     const int64_t* bp = best.data_ptr<int64_t>();
