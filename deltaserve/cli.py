@@ -300,9 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="let web pages from these origins call the API (CORS), e.g. http://localhost:3000; "
                             "'*' for any (default: none)")
     serve.add_argument("--slots", type=_int(1), default=8, help="sequences decoded together (default 8)")
-    serve.add_argument("--spec-max-batch", type=_int(1), default=4, metavar="N",
+    serve.add_argument("--spec-max-batch", type=_int(1), default=None, metavar="N",
                        help="with --spec: a decode step of more than N sequences drafts nothing: a wide batch already "
-                            "fills the pass, and verifying drafts for each costs more than they save (default 4)")
+                            "fills the pass, and verifying drafts for each costs more than they save (default: "
+                            "16 // (spec tokens + 1), the verify rows the decode kernels take: 3 at k = 4, 5 at k = 2)")
     serve.add_argument("--served-model-name", default=None, help="model id in the API (default: the file name)")
     serve.add_argument("--max-request-bytes", type=_int(1), default=MAX_REQUEST_BYTES,
                        help="largest request body; larger ones get 413 (default 4 MiB)")

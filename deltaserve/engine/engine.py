@@ -9,6 +9,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from deltaserve.models.layers import GEMV_ROWS
+
 from .constrain import grammar_tokenizer_ready, prepare_in_background
 from .request import Event, Request
 from .runner import ModelRunner
@@ -37,7 +39,10 @@ class Engine:
                  model_name: str = "deltaserve", checkpoint_interval: int = 512, cache_budget_mb: float = 1024.0,
                  speculative: str | None = None, spec_tokens: int = 4, spec_max_batch: int | None = None):
         """speculative: "ngram", "mtp" or a draft model's path, used by every request; spec_max_batch: steps
-        decoding more sequences than this draft nothing (Scheduler); see LLM for the other options."""
+        decoding more sequences than this draft nothing (Scheduler); by default as many as one verify pass keeps
+        within the GEMV's rows (GEMV_ROWS // (spec_tokens + 1)): past them the pass's projections run as GEMMs,
+        whose rows no longer have a decode step's bits, and the one-call MTP step does not apply. See LLM for
+        the other options."""
         if n_slots < 1 or max_len < 2:  # a request needs a slot, and room for a prompt token and a new one
             raise ValueError(f"n_slots must be >= 1 and max_len >= 2, got {n_slots} and {max_len}")
         self.tokenizer = tokenizer
@@ -45,6 +50,8 @@ class Engine:
         self.runner = ModelRunner(model, n_slots=n_slots, max_len=max_len, checkpoint_interval=checkpoint_interval,
                                   cache_budget_mb=cache_budget_mb, mtp=speculative == "mtp")
         self.speculator = make_speculator(speculative, self.runner, spec_tokens) if speculative else None
+        if speculative and spec_max_batch is None:
+            spec_max_batch = max(1, GEMV_ROWS // (spec_tokens + 1))
         self.scheduler = _TimedScheduler(self.runner, prefill_chunk, spec_max_batch)
         self.metrics = self.scheduler.metrics
         self._inbox: list[Request] = []

@@ -22,7 +22,7 @@ from deltaserve.ops import fused
 # once and is widened in registers; a row's result is the same bits whatever the batch, as speculative verify
 # needs); above it a float16 weight goes through our GEMM (ops/csrc/f16gemm.h), a Q8_0 one (float32 activations)
 # through a float32 GEMM on the widened weight.
-_GEMV_ROWS = 16
+GEMV_ROWS = 16
 Q8_BLOCK = 32  # weights per scale in a Q8_0 row
 # Q8_0 weights multiply activations rounded per 32 to Q8_0, as llama.cpp does on these files (its speed and its
 # rounding; ops/csrc/int8q8.h), where this CPU has the instructions. False: float32 activations (exact weights).
@@ -51,11 +51,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
         return y if bias is None else y + bias.to(y.dtype)
     if (x.dtype == torch.float32 and x.device.type == "cpu" and fused.available()
-            and (weight.dtype == torch.float16 or weight.dtype == torch.int8 and rows.shape[0] <= _GEMV_ROWS)):
+            and (weight.dtype == torch.float16 or weight.dtype == torch.int8 and rows.shape[0] <= GEMV_ROWS)):
         y = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
         if weight.dtype == torch.int8:
             fused.extension().linear_q8(rows.contiguous(), weight, weight.scale, y)
-        elif rows.shape[0] <= _GEMV_ROWS:
+        elif rows.shape[0] <= GEMV_ROWS:
             fused.extension().linear_f16(rows.contiguous(), weight.contiguous(), y)
         else:  # prefill: our GEMM on the weight as stored (ops/csrc/f16gemm.h)
             fused.extension().linear_f16_gemm(rows.contiguous(), weight.contiguous(), y)

@@ -24,7 +24,7 @@ import torch
 from deltaserve.models import layers as layer_ops
 from deltaserve.models import packed
 from deltaserve.models import mtp as mtp_layer
-from deltaserve.models.layers import (_GEMV_ROWS, _STEP_CACHE_DTYPES, MLP, Q8_BLOCK, STEP_TOKENS, SparseMoE,
+from deltaserve.models.layers import (GEMV_ROWS, _STEP_CACHE_DTYPES, MLP, Q8_BLOCK, STEP_TOKENS, SparseMoE,
                                       _split_decode, part, q8_0_copy, q8_int8)
 from deltaserve.ops import fused
 
@@ -36,7 +36,7 @@ def step(model, h: torch.Tensor, rope, state, slots: torch.Tensor, start: torch.
     Snapshots): a verify pass, h [N, T, E] with T <= the GEMV rows in all, that also keeps each recurrent layer's
     conv tape and delta-rule states there for rollback."""
     N, T, E = h.shape
-    if (T != 1 and (snaps is None or N * T > _GEMV_ROWS)) or h.dtype != torch.float32 or not h.is_cpu \
+    if (T != 1 and (snaps is None or N * T > GEMV_ROWS)) or h.dtype != torch.float32 or not h.is_cpu \
             or not fused.available():
         return None
     plan = _plan(model, layers)
@@ -156,7 +156,7 @@ def mtp_follow(model, ids: torch.Tensor, before: torch.Tensor, rope, k_cache: to
     """The MTP layer's keys and values for ids [N, T] after normed hidden states before [N, T, E] (each token's
     predecessor's), at positions start..; False where the plan does not apply (nothing written)."""
     N, T, E = before.shape
-    if (N * T > _GEMV_ROWS and not _draft_copies(before)) or not _applies(before, k_cache, v_cache):
+    if (N * T > GEMV_ROWS and not _draft_copies(before)) or not _applies(before, k_cache, v_cache):
         return False  # a prompt's pass: float weights' kernels in the plan are GEMVs, Q8_0 copies' GEMMs too
     plan = _mtp_plan(model)
     if plan is None:
@@ -174,7 +174,7 @@ def mtp_draft(model, state, slots: torch.Tensor, ids: torch.Tensor, hidden: torc
     not apply."""
     i = len(model.layers)
     k_cache, v_cache = state.k[i], state.v[i]
-    if len(ks) > _GEMV_ROWS or not _applies(hidden, k_cache, v_cache):
+    if len(ks) > GEMV_ROWS or not _applies(hidden, k_cache, v_cache):
         return None
     plan = _mtp_plan(model)
     if plan is None:
@@ -193,7 +193,7 @@ def mtp_greedy_step(model, state, slots: torch.Tensor, ids: torch.Tensor, ks: li
     [N, max k] (-1 past ks[n]), accepted drafts [N], the trunk's next token [N]; None where the plans do not apply
     (nothing written: the caller drafts and verifies in steps)."""
     N, T, i = len(ks), 1 + max(ks), len(model.layers)
-    if N * T > _GEMV_ROWS or min(ks) < 1 or not _applies(state.conv[i], state.k[i], state.v[i]):
+    if N * T > GEMV_ROWS or min(ks) < 1 or not _applies(state.conv[i], state.k[i], state.v[i]):
         return None
     spec = _spec_plan(model)
     start = state.lengths[slots]
