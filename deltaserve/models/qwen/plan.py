@@ -12,8 +12,8 @@ plain steps. The plan is built once per range of layers.
 The MTP layer (models/mtp.py) has a plan of its own (MTPPlan): k chained greedy drafts in one call, and the keys and
 values a trunk pass leaves in its cache without its attention output (through the modules a draft step cost ~50
 small torch ops, 0.3 ms on the embedded model where its arithmetic takes a fifth of that). It applies where the
-layer's feed-forward is a dense MLP and the embedding float32, float16 or bfloat16; elsewhere (qwen35moe's MoE layer,
-quantised embeddings) models/mtp.py runs the modules, with the same drafts. It reads float MTP weights and the head
+embedding is float32, float16 or bfloat16 (a dense or MoE feed-forward alike); elsewhere (quantised embeddings)
+models/mtp.py runs the modules, with the same drafts. It reads float MTP weights and the head
 through Q8_0 copies (models/mtp.py DRAFT_Q8), as the modules do not: its drafts are then those of the rounded weights.
 """
 
