@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.loader.memory import weight_empty
-from deltaserve.loader.quants import quantize_q8_0
 from deltaserve.models import packed
 from deltaserve.ops import attention as attention_op
 from deltaserve.ops import fused
@@ -142,21 +141,6 @@ def quantize_q8(w: torch.Tensor, rows_per_pass: int = 2048) -> nn.Parameter | No
     param = nn.Parameter(q.view(*shape, K), requires_grad=False)
     param.scale = scale.view(*shape, K // Q8_BLOCK)
     return param
-
-
-def q8_0_copy(w: torch.Tensor, rows_per_pass: int = 4096) -> torch.Tensor:
-    """A Q8_0 copy of a float weight w [N, K] (K a multiple of 32), rounded as ggml's quantiser rounds it (loader
-    quantize_q8_0): int8 [N, K] carrying `.scale`, float16 [N, K / 32], in the form linear() reads. Unlike
-    quantize_q8 it changes the values: for weights whose output is only a guess (the MTP layer's drafts)."""
-    N, K = w.shape
-    q = weight_empty((N, K), torch.int8)
-    scale = torch.empty(N, K // Q8_BLOCK, dtype=torch.float16)
-    for r in range(0, N, rows_per_pass):  # in slices: the float32 temporaries stay small beside a large head
-        blocks = quantize_q8_0(w[r:r + rows_per_pass]).view(-1, K // Q8_BLOCK, 2 + Q8_BLOCK)  # d f16 | q int8[32]
-        scale[r:r + rows_per_pass] = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
-        q[r:r + rows_per_pass] = blocks[..., 2:].contiguous().view(torch.int8).reshape(-1, K)
-    q.scale = scale
-    return q
 
 
 class Linear(nn.Linear):

@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 from deltaserve.errors import DeltaserveError
-from deltaserve.loader.memory import lazy_zeros
+from deltaserve.loader.memory import lazy_zeros, weight_empty
+from deltaserve.loader.quants import quantize_q8_0
 from deltaserve.models.common import lm_logits
-from deltaserve.models.layers import Linear, RMSNorm
+from deltaserve.models.layers import Q8_BLOCK, Linear, RMSNorm
 from deltaserve.models.state import HybridState, Snapshots
 
 # Where a family drafts in one C++ call (models/qwen/plan.py), its float (F16 / BF16 / F32) MTP weights and output
@@ -33,6 +34,21 @@ from deltaserve.models.state import HybridState, Snapshots
 # weights verify, so the output is unchanged. The copies cost about half those weights' float16 size in memory
 # (for a tied head, half the embedding). False: the plan reads the weights as stored, as the modules do.
 DRAFT_Q8 = True
+
+
+def q8_0_copy(w: torch.Tensor, rows_per_pass: int = 4096) -> torch.Tensor:
+    """A Q8_0 copy of a float weight w [N, K] (K a multiple of 32), rounded as ggml's quantiser rounds it (loader
+    quantize_q8_0): int8 [N, K] carrying `.scale`, float16 [N, K / 32], in the form linear() reads. Unlike
+    layers.quantize_q8 it changes the values: for weights whose output is only a guess (DRAFT_Q8)."""
+    N, K = w.shape
+    q = weight_empty((N, K), torch.int8)
+    scale = torch.empty(N, K // Q8_BLOCK, dtype=torch.float16)
+    for r in range(0, N, rows_per_pass):  # in slices: the float32 temporaries stay small beside a large head
+        blocks = quantize_q8_0(w[r:r + rows_per_pass]).view(-1, K // Q8_BLOCK, 2 + Q8_BLOCK)  # d f16 | q int8[32]
+        scale[r:r + rows_per_pass] = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
+        q[r:r + rows_per_pass] = blocks[..., 2:].contiguous().view(torch.int8).reshape(-1, K)
+    q.scale = scale
+    return q
 
 
 class MTPHead(nn.Module):

@@ -14,7 +14,8 @@ from deltaserve.loader import open_checkpoint
 from deltaserve.models import QwenModel, load_model
 from deltaserve.models.base import HybridModel
 from deltaserve.models import mtp as mtp_layer
-from deltaserve.models.layers import Q8_BLOCK, Linear, linear, q8_0_copy, q8_int8
+from deltaserve.models.layers import Q8_BLOCK, Linear, linear, q8_int8
+from deltaserve.models.mtp import q8_0_copy
 from deltaserve.models.mtp import draft
 from tests.models.test_mtp import IDS, reference_mtp, rel_err, trunk_hidden, with_mtp  # noqa: F401 (fixture)
 
@@ -128,6 +129,20 @@ def test_chained_drafts_on_bfloat16_weights_match_the_modules(tiny, with_mtp, tm
     monkeypatch.setattr(QwenModel, "mtp_draft", HybridModel.mtp_draft)
     monkeypatch.setattr(QwenModel, "mtp_follow", HybridModel.mtp_follow)
     assert draft_run(model, [3, 2])[0] == drafts
+
+
+def test_q8_0_copy_holds_the_values_of_ggml_q8_0_blocks():
+    """The draft copies (q8_0_copy, in slices of rows) are gguf-py's Q8_0 blocks of the weight: its codes times its
+    scales are gguf-py's dequantisation of ggml's quantisation (itself checked bit-exact in tests/loader)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    w = (torch.randn(37, 96, generator=torch.Generator().manual_seed(1)) * 0.2).half()
+    q = q8_0_copy(w, rows_per_pass=10)
+    ours = (q.float().view(37, 3, 32) * q.scale.float()[..., None]).view(37, 96)
+    blocks = quants.quantize(w.float().numpy(), GGMLQuantizationType.Q8_0)
+    assert q.dtype == torch.int8 and q.scale.dtype == torch.float16
+    assert torch.equal(ours, torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.Q8_0).astype(np.float32)))
 
 
 @pytest.mark.skipif(not DEFAULT_MODEL.exists(), reason="the embedded model is not built in this checkout")

@@ -25,7 +25,7 @@ from deltaserve.models import layers as layer_ops
 from deltaserve.models import packed
 from deltaserve.models import mtp as mtp_layer
 from deltaserve.models.layers import (GEMV_ROWS, _STEP_CACHE_DTYPES, MLP, Q8_BLOCK, STEP_TOKENS, SparseMoE,
-                                      _split_decode, part, q8_0_copy, q8_int8)
+                                      _split_decode, part, q8_int8)
 from deltaserve.ops import fused
 
 _NONE = torch.empty(0)  # a layer's missing cache or gather
@@ -96,7 +96,7 @@ def _build_layers(ext, layers: list, draft: bool = False):
         if ffn is None:
             return None
         linears = [_linear(ext, m, draft) for m in ((mixer.in_proj, mixer.out_proj) if layer.recurrent
-                                             else (mixer.qkv_proj, mixer.o_proj))]
+                                                    else (mixer.qkv_proj, mixer.o_proj))]
         if any(ref is None for ref in linears):
             return None
         if layer.recurrent:
@@ -137,7 +137,7 @@ def _weight_ref(ext, w: torch.Tensor, draft: bool = False):
     drafts: half the bytes of float16, and only guesses, which verification checks)."""
     if draft and w.dtype in (torch.float16, torch.bfloat16, torch.float32) and w.dim() == 2 \
             and w.shape[1] % Q8_BLOCK == 0 and q8_int8(torch.empty(0, w.shape[1])):
-        w = q8_0_copy(w)
+        w = mtp_layer.q8_0_copy(w)
     if packed.is_packed(w):
         pk = w.packing
         index = _NONE.long() if pk.x_index is None else pk.x_index
