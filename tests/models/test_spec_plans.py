@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from deltaserve.engine.llm import DEFAULT_MODEL
+from deltaserve.errors import DeltaserveError
 from deltaserve.loader import open_checkpoint
 from deltaserve.models import QwenModel, load_model
 from deltaserve.models.base import HybridModel
@@ -283,3 +284,24 @@ def test_a_verify_pass_gives_the_bits_of_decode_steps(arch, path, tmp_path, monk
     steps = torch.stack([model(ids[:, t:t + 1], stepped, [2, 0]) for t in range(21, 26)], dim=1)
     assert torch.equal(model(ids[:, 21:26], verified, [2, 0], logits="all", snapshots=5), steps)
     assert all(torch.equal(a, b) for a, b in zip(stepped.tensors(), verified.tensors()))
+
+
+def test_the_one_call_step_refuses_what_would_write_outside_the_caches(tmp_path):
+    """A slot out of range, named twice, without room for the pass, or a token outside the vocabulary: one clear
+    error before anything is written."""
+    from deltaserve import convert
+
+    file = tmp_path / "m.gguf"
+    convert.make_model("qwen35", "tiny", "f16", file, seed=5, mtp=True)
+    model = load_model(open_checkpoint(file))
+    state = model.new_state(2, 12, mtp=True)
+    model(torch.tensor([[1, 2, 3]]), state, [0])
+    model(torch.tensor([[4, 5, 6, 7, 8, 9, 10, 11, 12]]), state, [1])  # 9 of 12: room for 3 more
+    before = [t.clone() for t in state.tensors()]
+    for slots, ids, ks, message in (([2], [5], [2], "slots \\[2\\] outside"), ([0, 0], [5, 6], [2, 2], "twice"),
+                                    ([1], [5], [3], "cannot take 4 tokens"),
+                                    ([0], [model.config.vocab_size], [2], "outside the vocabulary")):
+        with pytest.raises((RuntimeError, DeltaserveError), match=message):
+            model.mtp_greedy_step(state, torch.tensor(slots), torch.tensor(ids), ks)
+        assert all(torch.equal(a, b) for a, b in zip(state.tensors(), before))
+    assert model.mtp_greedy_step(state, torch.tensor([1]), torch.tensor([5]), [2]) is not None  # 3 tokens fit

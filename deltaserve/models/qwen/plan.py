@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from deltaserve.errors import DeltaserveError
 from deltaserve.models import layers as layer_ops
 from deltaserve.models import packed
 from deltaserve.models import mtp as mtp_layer
@@ -195,6 +196,8 @@ def mtp_greedy_step(model, state, slots: torch.Tensor, ids: torch.Tensor, ks: li
     N, T, i = len(ks), 1 + max(ks), len(model.layers)
     if N * T > GEMV_ROWS or min(ks) < 1 or not _applies(state.conv[i], state.k[i], state.v[i]):
         return None
+    if int(slots.min()) < 0 or int(slots.max()) >= state.n_slots:
+        raise DeltaserveError(f"mtp_greedy_step: slots {slots.tolist()} outside [0, {state.n_slots})")
     spec = _spec_plan(model)
     start = state.lengths[slots]
     caches = None if spec is None else _caches(model, state, range(i), N, T, start)

@@ -328,6 +328,14 @@ class MTPPlan {
                     cos.dim() == 3 && cos.size(0) == N && sin.sizes() == cos.sizes(),
                 "MTPPlan.draft: one k, hidden row and cos / sin row per sequence");
     for (int64_t k : ks) TORCH_CHECK(k >= 0 && k <= steps, "MTPPlan.draft: k ", k, " outside 0..", steps);
+    TORCH_CHECK(slots.scalar_type() == at::kLong && start.scalar_type() == at::kLong && slots.is_contiguous() &&
+                    start.is_contiguous() && slots.size(0) == N && start.size(0) == N,
+                "MTPPlan.draft: slots and start must be contiguous int64 [N]");
+    for (int64_t n = 0; n < N; ++n) {  // attention_step writes the cache rows unchecked
+      const int64_t slot = slots.data_ptr<int64_t>()[n], at = start.data_ptr<int64_t>()[n];
+      TORCH_CHECK(slot >= 0 && slot < k_cache.size(0) && at >= 0 && at + ks[n] <= k_cache.size(1),
+                  "MTPPlan.draft: slot ", slot, " from position ", at, " cannot take ", ks[n], " drafts");
+    }
     const auto i64 = at::TensorOptions().dtype(at::kLong);
     torch::Tensor drafts = at::full({N, steps}, -1, i64);
     const torch::Tensor none = at::empty({0}, at::TensorOptions().dtype(at::kFloat));

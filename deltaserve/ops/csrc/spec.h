@@ -40,7 +40,17 @@ class GreedySpec {
     TORCH_CHECK(T >= 2 && static_cast<int64_t>(ks.size()) == N && slots.size(0) == N && start.size(0) == N,
                 "GreedySpec.step: one k (>= 1), slot and start per sequence, T >= 2");
     for (int64_t k : ks) TORCH_CHECK(k >= 1 && k < T, "GreedySpec.step: k ", k, " outside 1..", T - 1);
+    TORCH_CHECK(ids.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && start.scalar_type() == at::kLong &&
+                    ids.is_contiguous() && slots.is_contiguous() && start.is_contiguous(),
+                "GreedySpec.step: ids, slots and start must be contiguous int64 [N]");
     const int64_t* sp = slots.data_ptr<int64_t>();
+    for (int64_t n = 0; n < N; ++n) {  // the kernels below write cache rows unchecked
+      const int64_t at = start.data_ptr<int64_t>()[n], id = ids.data_ptr<int64_t>()[n];
+      TORCH_CHECK(sp[n] >= 0 && sp[n] < mtp_h.size(0) && at >= 0 && at + T <= mtp_k.size(1),
+                  "GreedySpec.step: slot ", sp[n], " from position ", at, " cannot take ", T, " tokens");
+      TORCH_CHECK(id >= 0 && id < embed_.size(0), "GreedySpec.step: token id ", id, " outside the vocabulary");
+      for (int64_t m = 0; m < n; ++m) TORCH_CHECK(sp[m] != sp[n], "GreedySpec.step: slot ", sp[n], " twice");
+    }
     const torch::Tensor hidden = mtp_h.index_select(0, slots).view({N, E}).to(at::kFloat).contiguous();
     const torch::Tensor drafts = mtp_.draft(ids, hidden, slots, start, cos.narrow(1, 0, T - 1).contiguous(),
                                             sin.narrow(1, 0, T - 1).contiguous(), mtp_k, mtp_v, ks);
