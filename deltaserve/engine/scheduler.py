@@ -147,10 +147,11 @@ class Scheduler:
         stepped: set[Request] = set()
         for spec in dict.fromkeys(self.speculators[r] for r in reqs):
             step = getattr(spec.drafter, "step", None)
-            k_of = {r: self._k(r) for r in reqs if self.speculators[r] is spec and r.params.greedy
-                    and r.params.grammar is None}
-            k_of = {r: k for r, k in k_of.items() if k > 0}
-            if step is None or not k_of:
+            if step is None:
+                continue
+            k_of = {r: k for r in reqs if self.speculators[r] is spec and r.params.greedy and r.params.grammar is None
+                    and (k := self._k(r)) > 0}
+            if not k_of:
                 continue
 
             def run(batch: list[Request], step=step, k_of=k_of) -> None:
