@@ -5,7 +5,7 @@
 
 Peaks (ops/csrc/probe.h): float32 FMAs, int8 and bf16 dot products with 12 independent chains a thread (and AMX
 tiles' tdpbf16ps and tdpbsud where this CPU runs them: four independent tile sums a thread), memory reads
-of a buffer 4x the L3 in 2 MB pages (as a model's weights). Kernels, per weight format, at a 0.8B model's shapes:
+of a buffer 4x the L3 the OS reports, in 2 MB pages (as a model's weights). Kernels, per weight format, at a 0.8B model's shapes:
 the decode GEMV (one row of activations, weights streamed from memory: GB/s against the read peak) and the
 prefill GEMM (256 rows: GOP/s against the int8 or FMA peak); the float16 GEMM (256 and 512 rows: GFLOP/s against
 the FMA peak) and torch's float32 GEMM beside them. Each figure comes from the fastest of many short timings: on a
@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -69,15 +71,43 @@ def _thread_rate(calls, row_bytes: float) -> float | None:
     return sum(best.values()) or None
 
 
+def _l3_bytes(cache: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The L3's size as the OS reports it (a virtual machine is often shown its host's whole L3), 32 MB where it
+    reports none."""
+    for index in sorted(cache.glob("index*")):
+        try:
+            if (index / "level").read_text().strip() == "3":
+                size = (index / "size").read_text().strip()
+                return int(size[:-1]) << {"K": 10, "M": 20}[size[-1]] if size[-1] in "KM" else int(size)
+        except (OSError, ValueError):
+            continue
+    return 32 << 20
+
+
+def stream_bytes() -> int:
+    """Bytes the decode rows cycle through and the read peak reads: 4x the L3, so that nothing read comes from a
+    cache (one Xeon here reports a 480 MB L3, from which 128 MB of weights streamed at 1.7x memory's rate), at least
+    128 MB and at most an eighth of the RAM."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(min(max(128 << 20, 4 * _l3_bytes()), ram // 8))
+
+
+def _count(matrix_bytes: int) -> int:
+    """How many distinct matrices of matrix_bytes the decode rows cycle through."""
+    return max(1, stream_bytes() // matrix_bytes)
+
+
 def peaks() -> dict:
     """float32 FMA GFLOP/s, int8 dot-product GOP/s, bf16 dot-product GFLOP/s and memory read GB/s on all of torch's
     threads (each thread's fastest round, added up: see ops/csrc/probe.h)."""
     ext = fused.extension()
-    buf = weight_empty((128 << 20,), torch.uint8).fill_(1)  # 4x a 32 MB L3, in 2 MB pages as the weights are
+    mb = stream_bytes() >> 20
+    buf = weight_empty((mb << 20,), torch.uint8).fill_(1)  # in 2 MB pages as the weights are
+    # each thread reads the first half of its share at most, which the fill left longest ago (the L3 holds its end)
     return {"fma_gflops": ext.probe_fma(20_000, 200) / 1e9, "int8_gops": ext.probe_int8(20_000, 200) / 1e9,
             "bf16_gflops": ext.probe_bf16(20_000, 200) / 1e9, "amx_bf16_gflops": ext.probe_amx_bf16(5_000, 50) / 1e9,
             "amx_int8_gops": ext.probe_amx_int8(5_000, 50) / 1e9,
-            "read_gbps": ext.probe_read(buf, 4 * 128 // torch.get_num_threads()) / 1e9}
+            "read_gbps": ext.probe_read(buf, min(256, mb // 2 // torch.get_num_threads())) / 1e9}
 
 
 def _matrix(qtype: Q, N: int, K: int, seed: int = 0) -> torch.Tensor:
@@ -97,7 +127,7 @@ def kernel_rates() -> list[dict]:
     M, N = 256, _HIDDEN  # a prefill GEMM of a few ms (longer calls are preempted on a shared machine)
     for qtype in sorted(t for t in _SCALES if t in packed.int8_types()):
         # decode: matrices in turn, 4x the L3 in all, so the weights come from memory as in a model
-        mats = [_matrix(qtype, _ROWS, _HIDDEN, seed=i) for i in range(max(1, (128 << 20) // (_ROWS * _HIDDEN // 2)))]
+        mats = [_matrix(qtype, _ROWS, _HIDDEN, seed=i) for i in range(_count(_ROWS * _HIDDEN // 2))]
         x, y = torch.randn(1, _HIDDEN), torch.empty(1, _ROWS)
         t = _fastest_of([lambda w=w: ext.linear_int8(x, w, w.packing.table, y) for w in mats * 3])
         shares = _thread_rate([lambda w=w: ext.linear_int8_shares(x, w, w.packing.table, y) for w in mats * 3],
@@ -136,7 +166,7 @@ def _q8_matrix(N: int, K: int, seed: int = 0) -> torch.Tensor:
 
 def _q8_rates(ext, M: int, N: int) -> list[dict]:
     """The Q8_0 integer kernels at the same shapes as the K-quants'."""
-    mats = [_q8_matrix(_ROWS, _HIDDEN, seed=i) for i in range(max(1, (128 << 20) // (_ROWS * _HIDDEN)))]
+    mats = [_q8_matrix(_ROWS, _HIDDEN, seed=i) for i in range(_count(_ROWS * _HIDDEN))]
     x, y = torch.randn(1, _HIDDEN), torch.empty(1, _ROWS)
     t = _fastest_of([lambda w=w: ext.linear_q8_int8(x, w, w.scale, y) for w in mats * 3])
     nbytes = mats[0].numel() * 34 // 32
@@ -155,7 +185,7 @@ def _bf16_rates(ext, M: int, N: int) -> list[dict]:
         g = torch.Generator().manual_seed(seed)
         return weight_empty((rows, _HIDDEN), torch.bfloat16).copy_(torch.randn(rows, _HIDDEN, generator=g) * 0.05)
 
-    mats = [matrix(_ROWS, i) for i in range(max(1, (128 << 20) // (_ROWS * _HIDDEN * 2)))]
+    mats = [matrix(_ROWS, i) for i in range(_count(_ROWS * _HIDDEN * 2))]
     x, y = torch.randn(1, _HIDDEN), torch.empty(1, _ROWS)
     t = _fastest_of([lambda w=w: ext.linear_bf16(x, w, y, True) for w in mats * 3])
     shares = _thread_rate([lambda w=w: ext.linear_bf16_shares(x, w, y, True) for w in mats * 3], 2 * _HIDDEN)
@@ -183,7 +213,7 @@ def _prefill_rows(ext, kernel: str, fmt: str, call, M: int, N: int, unit: str, p
 
 def _f16_decode_row(ext) -> dict:
     """The float16 decode GEMV (ops/csrc/gemv.h: float32 activations, weights widened in registers)."""
-    mats = [(torch.randn(_ROWS, _HIDDEN) * 0.05).half() for _ in range(max(1, (128 << 20) // (_ROWS * _HIDDEN * 2)))]
+    mats = [(torch.randn(_ROWS, _HIDDEN) * 0.05).half() for _ in range(_count(_ROWS * _HIDDEN * 2))]
     x, y = torch.randn(1, _HIDDEN), torch.empty(1, _ROWS)
     t = _fastest_of([lambda w=w: ext.linear_f16(x, w, y) for w in mats * 3])
     shares = _thread_rate([lambda w=w: ext.linear_f16_shares(x, w, y) for w in mats * 3], 2 * _HIDDEN)

@@ -229,7 +229,7 @@ inline __m512i dot_pairs(__m512i acc, __m512i a, __m512i b) {
 constexpr int64_t kPanelPrefetch = 4096;  // ahead of the panel stream: 4 KB beat 1-3 KB and 5-8 KB here (2 MB pages)
 
 inline void prefetch_span(const uint8_t* p, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kPanelPrefetch + o, _MM_HINT_T0);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kPanelPrefetch + o, _MM_HINT_T1);
 }
 
 // per dword (a row): bytes (k, 0, k + 1, 0) of its own 4, k = 0 or 2: two u8 scales as an int16 pair
