@@ -4,7 +4,7 @@
 // codes), the offsets by vpdpwssd on (offset, offset) pairs against (bsum, bsum) pairs, and the float scales once
 // per block: per block and activation row, 64 vpdpbusd do 4096 multiply-adds, against 16 per 256 of the
 // row-at-a-time dot (int8dot.h), which stays the kernel of decode, of other ISAs, and of the panel's edges. Where AMX
-// runs (amx.h) the same Panels are tdpbsud's weight tiles (amx_rows below). A thread opens up to 8 weight tiles at a
+// runs (amx.h) the same Panels, their codes multiplied by their scales (WidePanel below), are the tiles' weights. A thread opens up to 8 weight tiles at a
 // time and passes every group of activation rows over all of them, so the activations come from L1 / L2, not L3.
 #pragma once
 #include <immintrin.h>
@@ -106,17 +106,43 @@ inline void panel_group(int64_t mb, const Panel* p, const XBlock* x, int64_t nb,
   by_rows[std::min<int64_t>(mb, 8) - 1](p, x, nb, y, ldy, rows);
 }
 
+// the bias a panel type's offsets stand for (0: they are mins, at dmin): the AMX path folds it into the
+// weights
+inline int panel_bias(int64_t type) { return type == Q6_K ? 32 : type == IQ4_XS ? 128 : type == Q3_K ? 4 : 0; }
+
 #if defined(DELTASERVE_AMX)
-// Prefill on AMX tiles where they run (amx.h): tdpbsud multiplies 16 activation rows' G codes (signed: the Q8_K
-// codes) by a Panel's G codes of 16 weight rows (unsigned, as vpdpbusd takes them: the Panel's q is already a tile
-// of G / 4 rows x 64 bytes) into 16 x 16 int32 sums. A group's sums leave the tile for its scale (a float multiply-add
-// a row: a group's sum is below 2^24 and converts exactly; the scaled sums round as float32, where panel_rows keeps
-// int32 to the block's end: on the tests' data the two give the same bits), the offsets and float scales then apply
-// per block as in panel_rows. Four groups run in four sum tiles at a time, so that their products overlap instead of
-// each waiting for the one before, and the scaling of one follows the others' products.
+// Prefill on AMX tiles where they run (amx.h). tdpbsud / tdpbssd sum 64 products a lane, but a K-quant's scales change
+// every 16 or 32 codes, and taking each group's sums out of a tile to scale them cost more than the products. So a
+// Panel is widened once per call into its codes times their scales, w = (q - bias) x sc, split into bytes: lo = w &
+// 0xFF (unsigned: tdpbsud) and hi = w >> 8 (signed: tdpbssd); |w| < 2^13 for every panel type. The bias is the offset
+// Q3_K (4), Q6_K (32) and IQ4_XS (128: level + 128) take at the block's own scale, so only Q2_K, Q4_K and Q5_K keep
+// offsets (their mins, at dmin). A block of 16 activation rows x 16 weight rows is then 4 + 4 tile products into two sums,
+// lo + 256 hi: the int32 sum panel_rows reaches (less the folded offsets), so the two paths give the same bits where
+// there are mins and differ by one float rounding fewer here where they are folded. Against the group-by-group tiles
+// before: Q4_K 970 -> 1,041 GOP/s, Q6_K 772 -> 1,120 on two Xeon cores (256 x 1024 x 1024).
+struct alignas(64) WidePanel {
+  uint8_t lo[64][16][4];  // as Panel::q: [codes / 4][row][4 codes], a tdpbsud weight tile per 64 codes
+  int8_t hi[64][16][4];
+  int32_t mins[4][16];  // per-32 types with mins (Q4_K, Q5_K): [pair of 32-code groups][row], the two int16 mins
+};
+
+inline void widen_panel(const Panel& p, int bias, WidePanel& w) {
+  const __m512i m00ff = _mm512_set1_epi16(0xFF), low16 = _mm512_set1_epi32(0xFFFF), b16 = _mm512_set1_epi16(bias);
+  for (int c = 0; c < 64; ++c) {  // 4 codes of each of the 16 rows; their scale is group c / 4 of 16
+    const __m512i v = _mm512_load_si512(p.q[c]), sc = _mm512_load_si512(p.sc[c / 4]);
+    const __m512i sc16 = _mm512_ternarylogic_epi32(sc, low16, _mm512_slli_epi32(sc, 16), 0xEA);  // in both words
+    const __m512i even = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_and_si512(v, m00ff), b16), sc16);  // codes 0, 2
+    const __m512i odd = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_srli_epi16(v, 8), b16), sc16);      // codes 1, 3
+    _mm512_store_si512(w.lo[c], _mm512_ternarylogic_epi32(even, m00ff, _mm512_slli_epi16(odd, 8), 0xEA));
+    _mm512_store_si512(w.hi[c], _mm512_ternarylogic_epi32(_mm512_srli_epi16(even, 8), m00ff, odd, 0xE2));
+  }
+  for (int i = 0; i < 4; ++i)  // Panel::off[k] of a per-32 type: (min k, min k)
+    _mm512_store_si512(w.mins[i], _mm512_ternarylogic_epi32(_mm512_load_si512(p.off[2 * i]), low16,
+                                                            _mm512_slli_epi32(_mm512_load_si512(p.off[2 * i + 1]), 16), 0xEA));
+}
 
 // bytes between rows of x's codes: K and a cache line, so that a tile's 16 rows K = 2^n apart do not all fall in a few
-// L1 sets (at K = 1024 it measured the same as K apart here: kept as it costs nothing)
+// L1 sets
 inline int64_t amx_lda(int64_t K) { return K + 64; }
 
 // x's codes as rows amx_lda(K) bytes apart, round16(M) of them (the last ones zero): tdpbsud's tiles of 16 rows
@@ -130,83 +156,75 @@ inline std::vector<int8_t> amx_codes(const XBlock* xq, int64_t M, int64_t K) {
   return codes;
 }
 
-// y rows m0 .. m0 + mr (mr <= 16, ldy apart; `rows` columns stored) = the weight tile's Panels [nb] . x
-template <int G>
-inline void amx_rows(const Panel* p, const int8_t* codes, const XBlock* xq, int64_t M, int64_t K, int64_t m0,
-                     int64_t mr, float* y, int64_t ldy, int64_t rows) {
-  const int64_t nb = K / 256;
-  alignas(64) int32_t sums[4][16][16];
+// y rows m0 .. m0 + mr (mr <= 32, ldy apart; `rows` columns stored) = the weight tile (Panels p, widened w: [nb]) . x:
+// two tiles of 16 activation rows share each weight tile loaded (the weights come from L2, the activations from L1).
+// Mins: 0 (offsets folded into w), 32 (mins per 32 codes: Q4_K, Q5_K), 16 (per 16: Q2_K).
+template <int Mins>
+inline void amx_rows(const Panel* p, const WidePanel* w, const int8_t* codes, const XBlock* xq, int64_t M, int64_t K,
+                     int64_t m0, int64_t mr, float* y, int64_t ldy, int64_t rows) {
+  const int64_t nb = K / 256, lda = amx_lda(K);
+  alignas(64) int32_t sums[4][16][16];  // lo, hi of the first 16 rows; lo, hi of the second
+  alignas(64) float out[32][16] = {};
   static const XBlock none{};  // the rows past mr: zero sums, zero scale
-  alignas(64) float out[16][16] = {};
-  const int64_t lda = amx_lda(K);
   const int8_t* a = codes + m0 * lda;
-  auto scale = [&](const int32_t (&s)[16][16], const int32_t* sc, __m512 (&blk)[16]) {
-    const __m512 f = _mm512_cvtepi32_ps(_mm512_load_si512(sc));
-#pragma GCC unroll 16
-    for (int m = 0; m < 16; ++m) blk[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(s[m])), f, blk[m]);
-  };
+  const bool two = mr > 16;
   for (int64_t b = 0; b < nb; ++b) {
-    const Panel& pb = p[b];
-    __m512 blk[16];
-    for (int m = 0; m < 16; ++m) blk[m] = _mm512_setzero_ps();
-    for (int i = 0; i < 256 / G; i += 4) {  // four groups in flight, in four sum tiles
-      const int8_t* ai = a + 256 * b + G * i;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      _tile_loadd(4, ai, lda);
-      _tile_loadd(6, pb.q[G / 4 * i], 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int k = 0; k < 4; ++k) {  // 64 codes a step
+      _tile_loadd(6, w[b].lo[16 * k], 64);
+      _tile_loadd(7, w[b].hi[16 * k], 64);
+      _tile_loadd(4, a + 256 * b + 64 * k, lda);
       _tile_dpbsud(0, 4, 6);
-      _tile_loadd(5, ai + G, lda);
-      _tile_loadd(7, pb.q[G / 4 * (i + 1)], 64);
-      _tile_dpbsud(1, 5, 7);
-      _tile_loadd(4, ai + 2 * G, lda);
-      _tile_loadd(6, pb.q[G / 4 * (i + 2)], 64);
-      _tile_dpbsud(2, 4, 6);
-      _tile_loadd(5, ai + 3 * G, lda);
-      _tile_loadd(7, pb.q[G / 4 * (i + 3)], 64);
-      _tile_dpbsud(3, 5, 7);
-      _tile_stored(0, sums[0], 64);
-      _tile_stored(1, sums[1], 64);
-      scale(sums[0], pb.sc[i * G / 16], blk);
-      scale(sums[1], pb.sc[(i + 1) * G / 16], blk);
+      _tile_dpbssd(1, 4, 7);
+      if (two) {
+        _tile_loadd(5, a + 16 * lda + 256 * b + 64 * k, lda);
+        _tile_dpbsud(2, 5, 6);
+        _tile_dpbssd(3, 5, 7);
+      }
+    }
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+    if (two) {
       _tile_stored(2, sums[2], 64);
       _tile_stored(3, sums[3], 64);
-      scale(sums[2], pb.sc[(i + 2) * G / 16], blk);
-      scale(sums[3], pb.sc[(i + 3) * G / 16], blk);
     }
+    const Panel& pb = p[b];
     const __m512 d = _mm512_load_ps(pb.d), o = _mm512_load_ps(pb.o);
-#pragma GCC unroll 16
-    for (int m = 0; m < 16; ++m) {
+    for (int m = 0; m < (two ? 32 : 16); ++m) {
       const XBlock& xb = m < mr ? xq[xblock_at(M, nb, m0 + m, b)] : none;
-      __m512i off = _mm512_setzero_si512();
-      for (int i = 0; i < 8; ++i) {
-        int32_t pair;
-        std::memcpy(&pair, xb.bs + 2 * i, 4);
-        off = _mm512_dpwssd_epi32(off, _mm512_load_si512(pb.off[i]), _mm512_set1_epi32(pair));
-      }
+      const int t = 2 * (m / 16), r = m % 16;
+      const __m512i sum = _mm512_add_epi32(_mm512_load_si512(sums[t][r]), _mm512_slli_epi32(_mm512_load_si512(sums[t + 1][r]), 8));
       const __m512 dx = _mm512_set1_ps(xb.d);
-      __m512 acc = _mm512_fmadd_ps(blk[m], _mm512_mul_ps(d, dx), _mm512_load_ps(out[m]));
-      _mm512_store_ps(out[m], _mm512_fnmadd_ps(_mm512_cvtepi32_ps(off), _mm512_mul_ps(o, dx), acc));
+      __m512 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, dx), _mm512_load_ps(out[m]));
+      if constexpr (Mins != 0) {
+        __m512i off = _mm512_setzero_si512();
+        for (int i = 0; i < 128 / Mins; ++i) {  // int16 pairs of mins times pairs of the activations' sums
+          int32_t pair;
+          std::memcpy(&pair, Mins == 32 ? xb.bs32 + 2 * i : xb.bs + 2 * i, 4);
+          off = _mm512_dpwssd_epi32(off, _mm512_load_si512(Mins == 32 ? w[b].mins[i] : pb.off[i]), _mm512_set1_epi32(pair));
+        }
+        acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(off), _mm512_mul_ps(o, dx), acc);
+      }
+      _mm512_store_ps(out[m], acc);
     }
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
   for (int64_t m = 0; m < mr; ++m) _mm512_mask_storeu_ps(y + m * ldy, keep, _mm512_load_ps(out[m]));
 }
 
-// every 16 activation rows times each opened weight tile's Panels (tile j's at p + j nb, its outputs at columns
-// cols[j].first, cols[j].second of them), on the tiles shaped for groups of G codes: a row tile's codes stay in L1
-// while it passes over the opened weight tiles
-template <int G>
-inline void amx_group(const Panel* p, const std::vector<std::pair<int64_t, int64_t>>& cols, const int8_t* codes,
-                      const XBlock* xq, int64_t M, int64_t K, float* y, int64_t ldy) {
-  static const amx::Config config{{16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, G}, {16, G}, {G / 4, 64}, {G / 4, 64}};
-  const amx::Scope tiles(config);
-  for (int64_t m0 = 0; m0 < M; m0 += 16)
+// every 32 activation rows times each opened weight tile (tile j's Panels at p + j nb, widened at w + j nb, its
+// outputs at columns cols[j].first, cols[j].second of them): a row tile's codes stay in L1 while it passes over them
+inline void amx_group(const Panel* p, const WidePanel* w, int mins, const std::vector<std::pair<int64_t, int64_t>>& cols,
+                      const int8_t* codes, const XBlock* xq, int64_t M, int64_t K, float* y, int64_t ldy) {
+  const amx::Scope tiles;  // all 16 rows x 64 bytes
+  for (int64_t m0 = 0; m0 < M; m0 += 32)
     for (size_t j = 0; j < cols.size(); ++j)
-      amx_rows<G>(p + j * (K / 256), codes, xq, M, K, m0, std::min<int64_t>(16, M - m0), y + m0 * ldy + cols[j].first,
-                  ldy, cols[j].second);
+      (mins == 32 ? amx_rows<32> : mins == 16 ? amx_rows<16> : amx_rows<0>)(p + j * (K / 256), w + j * (K / 256), codes, xq, M, K, m0,
+                                                 std::min<int64_t>(32, M - m0), y + m0 * ldy + cols[j].first, ldy,
+                                                 cols[j].second);
 }
 #endif
 
@@ -309,6 +327,9 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t lo, int64_t hi) {
     std::vector<WBlock> scratch(nb);
     std::vector<Panel> panels(kOpen * nb);
+#if defined(DELTASERVE_AMX)
+    std::vector<WidePanel> wide(tiled ? kOpen * nb : 0);
+#endif
     q8::Tile32 tile32[q8::kQ8AmxTiles];
     int n32 = 0;  // (AMX) tiles opened in tile32 and not yet run: adjacent columns from first32, the last `last32` wide
     int64_t first32 = 0, last32 = 0;
@@ -319,12 +340,12 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
 #endif
       n32 = 0;
     };
-    std::vector<std::pair<int64_t, int64_t>> open;  // the opened tiles' (first column, columns), all per32 or not
-    bool per32 = false;  // Q4_K, Q5_K, IQ4_XS: scales per 32 (Q2_K, Q3_K, Q6_K: per 16)
+    std::vector<std::pair<int64_t, int64_t>> open;  // the opened tiles' (first column, columns), all of one kind:
+    bool per32 = false, mins = false;  // scales per 32 (Q4_K, Q5_K, IQ4_XS; else 16), offsets at dmin (Q2_K, Q4_K, Q5_K)
     auto run = [&] {
 #if defined(DELTASERVE_AMX)
       if (tiled && !open.empty())
-        (per32 ? amx_group<32> : amx_group<16>)(panels.data(), open, codes.data(), xq, M, K, y, N);
+        amx_group(panels.data(), wide.data(), mins ? (per32 ? 32 : 16) : 0, open, codes.data(), xq, M, K, y, N);
       else
 #endif
         for (int64_t g = 0; g < M; g += kRows)
@@ -353,14 +374,19 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
         tile32[0].run(x8, y + tile.n0, N, tile.rows);
         continue;
       }
-      const bool tile32s = type == Q4_K || type == Q5_K || type == IQ4_XS;
-      if (!open.empty() && (tile32s != per32 || open.size() == kOpen)) run();
+      const bool tile32s = type == Q4_K || type == Q5_K || type == IQ4_XS, tile_mins = panel_bias(type) == 0;
+      if (!open.empty() && (tile32s != per32 || tile_mins != mins || open.size() == kOpen)) run();
       per32 = tile32s;
+      mins = tile_mins;
       Panel* p = panels.data() + open.size() * nb;
       if (tile.panel)
         for (int64_t b = 0; b < nb; ++b) open_row_panel(type, seg.row(base, tile.s, tile.n0, K), nb, b, p[b]);
       else
         open_panels(seg, base, tile.n0, tile.rows, K, scratch.data(), p);
+#if defined(DELTASERVE_AMX)
+      if (tiled)
+        for (int64_t b = 0; b < nb; ++b) widen_panel(p[b], panel_bias(type), wide[open.size() * nb + b]);
+#endif
       open.emplace_back(tile.n0, tile.rows);
     }
     run();
