@@ -409,6 +409,59 @@ inline void panel_iq4xs(const uint8_t* panel, int64_t nb, const XBlock* x, int64
   for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
 }
 
+// the same for a Q3_K panel: codes = the low 2 bits | the hmask bit at 2 (0..7, the value + 4), each 16's sum
+// started at -4 x the activations' sum, times the row's 6-bit scale - 32 (vpmulld), a float multiply-add per block
+template <int MB>
+inline void panel_q3k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t xs, float* out) {
+  const __m512i m3 = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4), m4d = _mm512_set1_epi32(0xF), m3d = _mm512_set1_epi32(3);
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = panel + b * kQ3Block;
+    prefetch_span(p, kQ3Block);
+    // a dword per row: the 12 scale bytes as u0 (bytes 0..3), u1, u2 (the top bits)
+    const __m512i u0 = _mm512_loadu_si512(p + kQ3Scales), u1 = _mm512_loadu_si512(p + kQ3Scales + 64), u2 = _mm512_loadu_si512(p + kQ3Scales + 128);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kQ3D)));
+    __m512i ai[MB];
+    for (int m = 0; m < MB; ++m) ai[m] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int n = 0; n < 2; ++n) {
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {  // elements 128n + 32k + 16 half + (0 .. 15): scale 2 (4n + k) + half
+        __m512i sum[MB][4];
+        for (int m = 0; m < MB; ++m)
+          for (int k = 0; k < 4; ++k) sum[m][k] = _mm512_set1_epi32(-4 * x[b * xs + m].bs[2 * (4 * n + k) + half]);
+#pragma GCC unroll 4
+        for (int l = 0; l < 4; ++l) {
+          const int l4 = 4 * half + l;
+          const __m512i qs = _mm512_loadu_si512(p + kQ3Codes + (8 * n + l4) * 64), hm = _mm512_loadu_si512(p + kQ3High + l4 * 64);
+#pragma GCC unroll 4
+          for (int k = 0; k < 4; ++k) {
+            const int g = 4 * n + k;  // 32 elements: bits 2k of qs, bit g of hm
+            const __m512i low = _mm512_and_si512(k ? _mm512_srli_epi16(qs, 2 * k) : qs, m3);
+            const __m512i c = _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hm, _mm512_set1_epi8(static_cast<char>(1 << g))), low, four);
+#pragma GCC unroll 4
+            for (int m = 0; m < MB; ++m) sum[m][k] = dot4(sum[m][k], c, x[b * xs + m].q + 32 * g + 4 * l4);
+          }
+        }
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) {  // scale i: nibble i / 8 of byte i % 8, bits 2 (i / 4) of byte 8 + i % 4
+          const int i = 2 * (4 * n + k) + half;
+          const __m512i low = _mm512_and_si512(_mm512_srli_epi32(i % 8 < 4 ? u0 : u1, 8 * (i % 4) + 4 * (i / 8)), m4d);
+          const __m512i top = _mm512_and_si512(_mm512_srli_epi32(u2, 8 * (i % 4) + 2 * (i / 4)), m3d);
+          const __m512i sc = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(top, 4)), _mm512_set1_epi32(32));
+#pragma GCC unroll 4
+          for (int m = 0; m < MB; ++m) ai[m] = _mm512_add_epi32(ai[m], _mm512_mullo_epi32(sum[m][k], sc));
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[m]), _mm512_mul_ps(d, _mm512_set1_ps(x[b * xs + m].d)), acc[m]);
+  }
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
+}
+
 using PanelKernel = void (*)(const uint8_t*, int64_t, const XBlock*, int64_t, float*);
 
 template <int MB>
@@ -418,6 +471,7 @@ inline PanelKernel panel_kernel_mb(int64_t type) {
     case Q5_K: return panel_k4<MB, true>;
     case Q6_K: return panel_q6k<MB>;
     case IQ4_XS: return panel_iq4xs<MB>;
+    case Q3_K: return panel_q3k<MB>;
   }
   return nullptr;
 }

@@ -256,6 +256,9 @@ inline void decode_block(int64_t type, const uint8_t* b, float* y) {
   layout(type);  // throws, naming the type
 }
 
+// the types panels.h lays out 16 rows to a panel
+inline bool panel_type(int64_t type) { return type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS; }
+
 // The segment table of a packed matrix, checked once per call against its bytes.
 struct Segments {
   static constexpr int64_t kCols = 5;
@@ -271,7 +274,7 @@ struct Segments {
       TORCH_CHECK(first(s) == (s ? end(s - 1) : 0) && end(s) >= first(s), "segments out of order");
       TORCH_CHECK(t[kCols * s + 3] + (end(s) - first(s)) * (K / l.block) * l.bytes <= nbytes,
                   "segment ", s, " runs past the packed bytes");
-      TORCH_CHECK(t[kCols * s + 4] == 0 || (t[kCols * s + 4] == 16 && (type(s) == Q4_K || type(s) == Q5_K || type(s) == Q6_K || type(s) == IQ4_XS)),
+      TORCH_CHECK(t[kCols * s + 4] == 0 || (t[kCols * s + 4] == 16 && panel_type(type(s))),
                   "segment ", s, ": panels of ", t[kCols * s + 4], " rows of type ", type(s));
     }
   }
