@@ -29,7 +29,7 @@ TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.MXFP4, Q.
 # A matrix all of Q8_0 is held as int8 + scales instead (layers.quantize_q8), whose integer kernels beat these; Q8_0
 # rows are packed where a fused projection mixes them with other types (a MoE Q4_K_M file's attention inputs).
 INT8_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})  # with integer dot-product kernels in every build (int8dot.h)
-PANEL_TYPES = frozenset({Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})  # the integer kernels read these 16 rows to a panel
+PANEL_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})  # the integer kernels read these 16 rows to a panel
 # Matrices all of int8_types() multiply activations rounded to int8 (per 256 for K-quants and IQ4_XS, llama.cpp's Q8_K;
 # per 32 for the types of 32-weight blocks, its Q8_0), as llama.cpp does on these files: its speed, and its rounding.
 # False: float32 activations times the exact weights (slower).

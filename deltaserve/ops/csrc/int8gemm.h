@@ -233,7 +233,7 @@ inline void amx_group(const Panel* p, const WidePanel* w, int mins, const std::v
 inline void open_row_panel(int64_t type, const uint8_t* panel, int64_t nb, int64_t b, Panel& out) {
   const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30), bit4 = _mm512_set1_epi8(0x10);
   auto put = [&](int c, __m512i v) { _mm512_store_si512(out.q[c], v); };
-  uint8_t words[16][12];  // Q3_K, Q4_K, Q5_K: each row's 12 scale bytes
+  uint8_t words[16][12];  // Q4_K / Q5_K: each row's 12 scale bytes
   if (type == IQ4_XS) {
     const uint8_t* p = panel + b * (kIQ4Codes + 2048);
     alignas(16) uint8_t levels[16];
@@ -259,24 +259,32 @@ inline void open_row_panel(int64_t type, const uint8_t* panel, int64_t nb, int64
     }
     return;
   }
-  if (type == Q3_K) {
-    const uint8_t* p = panel + b * kQ3Block;
+  if (type == Q2_K || type == Q3_K) {
+    const bool q3 = type == Q3_K;
+    const uint8_t* p = panel + b * (q3 ? kQ3Block : kQ2Block);
     const __m512i m3 = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
     for (int n = 0; n < 2; ++n)
       for (int l4 = 0; l4 < 8; ++l4) {
-        const __m512i qs = _mm512_loadu_si512(p + kQ3Codes + (8 * n + l4) * 64), hm = _mm512_loadu_si512(p + kQ3High + l4 * 64);
-        for (int k = 0; k < 4; ++k) {  // elements 32g + 4 l4 .. + 3, g = 4n + k: bits 2k of qs, bit g of hm at 2
+        const __m512i qs = _mm512_loadu_si512(p + (q3 ? kQ3Codes : kQ2Codes) + (8 * n + l4) * 64);
+        const __m512i hm = q3 ? _mm512_loadu_si512(p + kQ3High + l4 * 64) : _mm512_setzero_si512();
+        for (int k = 0; k < 4; ++k) {  // elements 32g + 4 l4 .. + 3, g = 4n + k: bits 2k of qs (Q3_K: bit g of hm at 2)
           const int g = 4 * n + k;
           const __m512i low = _mm512_and_si512(_mm512_srli_epi16(qs, 2 * k), m3);
           put(8 * g + l4, _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hm, _mm512_set1_epi8(static_cast<char>(1 << g))), low, four));
         }
       }
     for (int r = 0; r < 16; ++r) {
-      for (int u = 0; u < 3; ++u) std::memcpy(words[r] + 4 * u, p + kQ3Scales + 64 * u + 4 * r, 4);
-      for (int i = 0; i < 16; ++i) out.sc[i][r] = q3k_scale(words[r], i);
-      for (int i = 0; i < 8; ++i)  // the codes' offset of 4, at the block's own scale
-        out.off[i][r] = static_cast<int32_t>(static_cast<uint16_t>(4 * out.sc[2 * i][r]) | static_cast<uint32_t>(static_cast<uint16_t>(4 * out.sc[2 * i + 1][r])) << 16);
-      out.d[r] = out.o[r] = half(p + kQ3D + 2 * r);
+      uint8_t bytes[16];  // the row's scale bytes
+      for (int u = 0; u < (q3 ? 3 : 4); ++u) std::memcpy(bytes + 4 * u, p + 64 * u + 4 * r, 4);
+      int16_t off[16];  // Q3_K: the codes' offset of 4 at the block's scale; Q2_K: the mins at dmin
+      for (int i = 0; i < 16; ++i) {
+        out.sc[i][r] = q3 ? q3k_scale(bytes, i) : bytes[i] & 0xF;
+        off[i] = static_cast<int16_t>(q3 ? 4 * out.sc[i][r] : bytes[i] >> 4);
+      }
+      for (int i = 0; i < 8; ++i)
+        out.off[i][r] = static_cast<int32_t>(static_cast<uint16_t>(off[2 * i]) | static_cast<uint32_t>(static_cast<uint16_t>(off[2 * i + 1])) << 16);
+      out.d[r] = half(p + (q3 ? kQ3D : kQ2D) + 2 * r);
+      out.o[r] = q3 ? out.d[r] : half(p + kQ2Dmin + 2 * r);
     }
     return;
   }

@@ -409,55 +409,90 @@ inline void panel_iq4xs(const uint8_t* panel, int64_t nb, const XBlock* x, int64
   for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
 }
 
-// the same for a Q3_K panel: codes = the low 2 bits | the hmask bit at 2 (0..7, the value + 4), each 16's sum
-// started at -4 x the activations' sum, times the row's 6-bit scale - 32 (vpmulld), a float multiply-add per block
-template <int MB>
-inline void panel_q3k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t xs, float* out) {
+// the same for a Q2_K (Q3 false) or Q3_K panel: codes = 2 bits (Q3_K: | its hmask bit at 2, the value + 4); each
+// 16's sum (|sum| <= 16 x 4 x 127: an int16) times its scale per lane by one vpdpwssd, a float multiply-add per
+// block. Q3_K's offset of 4 is at the scale: each sum starts at -4 x the activations' sum. Q2_K's mins (the high
+// nibbles of its scale bytes) are at dmin: (min, min) pairs against pairs of the activations' sums.
+template <int MB, bool Q3>
+inline void panel_q23k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t xs, float* out) {
+  constexpr int64_t kBlock = Q3 ? kQ3Block : kQ2Block, kCodes = Q3 ? kQ3Codes : kQ2Codes;
   const __m512i m3 = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4), m4d = _mm512_set1_epi32(0xF), m3d = _mm512_set1_epi32(3);
+  const __m512i low16 = _mm512_set1_epi32(0xFFFF);
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* p = panel + b * kQ3Block;
-    prefetch_span(p, kQ3Block);
-    // a dword per row: the 12 scale bytes as u0 (bytes 0..3), u1, u2 (the top bits)
-    const __m512i u0 = _mm512_loadu_si512(p + kQ3Scales), u1 = _mm512_loadu_si512(p + kQ3Scales + 64), u2 = _mm512_loadu_si512(p + kQ3Scales + 128);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kQ3D)));
+    const uint8_t* p = panel + b * kBlock;
+    prefetch_span(p, kBlock);
+    // the scale bytes a dword per row: Q3_K's 12 (u[2] the top bits), Q2_K's 16
+    __m512i u[4];
+    for (int w = 0; w < (Q3 ? 3 : 4); ++w) u[w] = _mm512_loadu_si512(p + 64 * w);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (Q3 ? kQ3D : kQ2D))));
     __m512i ai[MB];
     for (int m = 0; m < MB; ++m) ai[m] = _mm512_setzero_si512();
 #pragma GCC unroll 2
     for (int n = 0; n < 2; ++n) {
 #pragma GCC unroll 2
-      for (int half = 0; half < 2; ++half) {  // elements 128n + 32k + 16 half + (0 .. 15): scale 2 (4n + k) + half
+      for (int half = 0; half < 2; ++half) {  // elements 128n + 32k + 16 half + (0 .. 15): sub-block 2 (4n + k) + half
         __m512i sum[MB][4];
         for (int m = 0; m < MB; ++m)
-          for (int k = 0; k < 4; ++k) sum[m][k] = _mm512_set1_epi32(-4 * x[b * xs + m].bs[2 * (4 * n + k) + half]);
+          for (int k = 0; k < 4; ++k)
+            sum[m][k] = Q3 ? _mm512_set1_epi32(-4 * x[b * xs + m].bs[2 * (4 * n + k) + half]) : _mm512_setzero_si512();
 #pragma GCC unroll 4
         for (int l = 0; l < 4; ++l) {
           const int l4 = 4 * half + l;
-          const __m512i qs = _mm512_loadu_si512(p + kQ3Codes + (8 * n + l4) * 64), hm = _mm512_loadu_si512(p + kQ3High + l4 * 64);
+          const __m512i qs = _mm512_loadu_si512(p + kCodes + (8 * n + l4) * 64);
+          __m512i hm = _mm512_setzero_si512();
+          if constexpr (Q3) hm = _mm512_loadu_si512(p + kQ3High + l4 * 64);
 #pragma GCC unroll 4
           for (int k = 0; k < 4; ++k) {
             const int g = 4 * n + k;  // 32 elements: bits 2k of qs, bit g of hm
-            const __m512i low = _mm512_and_si512(k ? _mm512_srli_epi16(qs, 2 * k) : qs, m3);
-            const __m512i c = _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hm, _mm512_set1_epi8(static_cast<char>(1 << g))), low, four);
+            __m512i c = _mm512_and_si512(k ? _mm512_srli_epi16(qs, 2 * k) : qs, m3);
+            if constexpr (Q3) c = _mm512_mask_add_epi8(c, _mm512_test_epi8_mask(hm, _mm512_set1_epi8(static_cast<char>(1 << g))), c, four);
 #pragma GCC unroll 4
             for (int m = 0; m < MB; ++m) sum[m][k] = dot4(sum[m][k], c, x[b * xs + m].q + 32 * g + 4 * l4);
           }
         }
 #pragma GCC unroll 4
-        for (int k = 0; k < 4; ++k) {  // scale i: nibble i / 8 of byte i % 8, bits 2 (i / 4) of byte 8 + i % 4
+        for (int k = 0; k < 4; ++k) {
           const int i = 2 * (4 * n + k) + half;
-          const __m512i low = _mm512_and_si512(_mm512_srli_epi32(i % 8 < 4 ? u0 : u1, 8 * (i % 4) + 4 * (i / 8)), m4d);
-          const __m512i top = _mm512_and_si512(_mm512_srli_epi32(u2, 8 * (i % 4) + 2 * (i / 4)), m3d);
-          const __m512i sc = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(top, 4)), _mm512_set1_epi32(32));
+          __m512i sc;
+          if constexpr (Q3) {  // nibble i / 8 of byte i % 8, bits 2 (i / 4) of byte 8 + i % 4, less 32: the low word
+            const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(u[(i % 8) / 4], 8 * (i % 4) + 4 * (i / 8)), m4d);
+            const __m512i top = _mm512_and_si512(_mm512_srli_epi32(u[2], 8 * (i % 4) + 2 * (i / 4)), m3d);
+            sc = _mm512_and_si512(_mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(top, 4)), _mm512_set1_epi32(32)), low16);
+          } else {
+            sc = _mm512_and_si512(_mm512_srli_epi32(u[i / 4], 8 * (i % 4)), m4d);
+          }
 #pragma GCC unroll 4
-          for (int m = 0; m < MB; ++m) ai[m] = _mm512_add_epi32(ai[m], _mm512_mullo_epi32(sum[m][k], sc));
+          for (int m = 0; m < MB; ++m) ai[m] = dot_pairs(ai[m], sum[m][k], sc);
         }
       }
     }
+    if constexpr (Q3) {
 #pragma GCC unroll 4
-    for (int m = 0; m < MB; ++m)
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[m]), _mm512_mul_ps(d, _mm512_set1_ps(x[b * xs + m].d)), acc[m]);
+      for (int m = 0; m < MB; ++m)
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[m]), _mm512_mul_ps(d, _mm512_set1_ps(x[b * xs + m].d)), acc[m]);
+    } else {
+      const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kQ2Dmin)));
+      __m512i mins[MB];
+      for (int m = 0; m < MB; ++m) mins[m] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {  // mins of sub-blocks 2j, 2j + 1: the high nibbles of bytes 2j, 2j + 1
+        const __m512i mn = _mm512_srli_epi16(scale_pairs(u[j / 2], 2 * (j % 2)), 4);
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; ++m) {
+          int32_t pair;
+          std::memcpy(&pair, x[b * xs + m].bs + 2 * j, 4);
+          mins[m] = dot_pairs(mins[m], mn, _mm512_set1_epi32(pair));
+        }
+      }
+#pragma GCC unroll 4
+      for (int m = 0; m < MB; ++m) {
+        const __m512 xd = _mm512_set1_ps(x[b * xs + m].d);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[m]), _mm512_mul_ps(d, xd), acc[m]);
+        acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[m]), _mm512_mul_ps(dmin, xd), acc[m]);
+      }
+    }
   }
   for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
 }
@@ -471,7 +506,8 @@ inline PanelKernel panel_kernel_mb(int64_t type) {
     case Q5_K: return panel_k4<MB, true>;
     case Q6_K: return panel_q6k<MB>;
     case IQ4_XS: return panel_iq4xs<MB>;
-    case Q3_K: return panel_q3k<MB>;
+    case Q2_K: return panel_q23k<MB, false>;
+    case Q3_K: return panel_q23k<MB, true>;
   }
   return nullptr;
 }
