@@ -59,16 +59,18 @@ def _fastest_of(calls, share: float = 0.2) -> float:
     return sum(fastest) / len(fastest)
 
 
-def _thread_rate(calls, row_bytes: float) -> float | None:
-    """Bytes per second of a decode GEMV as the read peak is measured (probe.h): each thread's fastest share (its
-    rows over its own seconds, from calls returning [(rows, seconds)] per thread), added up; None where the kernel
-    reports no shares (builds without the timed kernels)."""
-    best: dict[int, float] = {}
+def _thread_rate(calls, row_bytes: float, share: float = 0.2) -> float | None:
+    """Bytes per second of a decode GEMV as the read peak is measured (probe.h): each thread's rate (its rows over its
+    own seconds, from calls returning [(rows, seconds)] per thread) over its fastest `share` of calls, added up (the
+    single fastest would be an outlier: a matrix the L3 still held part of); None where the kernel reports no shares
+    (builds without the timed kernels)."""
+    rates: dict[int, list[float]] = {}
     for call in calls:
         for thread, (rows, seconds) in enumerate(call()):
             if rows and seconds > 0:
-                best[thread] = max(best.get(thread, 0.0), rows * row_bytes / seconds)
-    return sum(best.values()) or None
+                rates.setdefault(thread, []).append(rows * row_bytes / seconds)
+    fastest = [sorted(r, reverse=True)[:max(1, int(len(r) * share))] for r in rates.values()]
+    return sum(sum(f) / len(f) for f in fastest) or None
 
 
 def _l3_bytes(cache: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
