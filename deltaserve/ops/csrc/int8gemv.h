@@ -226,10 +226,19 @@ inline __m512i dot_pairs(__m512i acc, __m512i a, __m512i b) {
 #endif
 }
 
-constexpr int64_t kPanelPrefetch = 4096;  // ahead of the panel stream: 4 KB beat 1-3 KB and 5-8 KB here (2 MB pages)
+// The panel kernels prefetch their stream into L2 (T1: prefetches into L1 are capped by its fill buffers) 4 KB ahead
+// (4 beat 1-3 and 5-8 here, on 2 MB pages), a code run's line as the run is read: the same prefetches issued a block
+// at a time (36 for Q4_K, then its 64 vpdpbusd) streamed 22.3 GB/s where spread among the loads 26.4 (cold Q4_K,
+// two Xeon cores). A block's first bytes (its scales, which every run's sums need) are prefetched as it starts.
+constexpr int64_t kPanelPrefetch = 4096;
 
 inline void prefetch_span(const uint8_t* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kPanelPrefetch + o, _MM_HINT_T1);
+}
+
+inline __m512i load_run(const uint8_t* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p) + kPanelPrefetch, _MM_HINT_T1);
+  return _mm512_loadu_si512(p);
 }
 
 // per dword (a row): bytes (k, 0, k + 1, 0) of its own 4, k = 0 or 2: two u8 scales as an int16 pair
@@ -249,7 +258,7 @@ inline void panel_k4(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t 
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = panel + b * kBlock;
-    prefetch_span(p, kBlock);
+    prefetch_span(p, kQ5High);
     // get_scale_min_k4 for 16 rows at once, on the scale words u0, u1, u2 (a dword per row)
     const __m512i u0 = _mm512_loadu_si512(p + kK4Scales), u1 = _mm512_loadu_si512(p + kK4Scales + 64), u2 = _mm512_loadu_si512(p + kK4Scales + 128);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kK4D)));
@@ -269,10 +278,10 @@ inline void panel_k4(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t 
 #pragma GCC unroll 4
         for (int l = 0; l < 4; ++l) {
           const int l4 = 4 * half + l;
-          const __m512i v = _mm512_loadu_si512(p + kCodes + (j * 8 + l4) * 64);
+          const __m512i v = load_run(p + kCodes + (j * 8 + l4) * 64);
           __m512i lo, hi;
           if constexpr (Q5) {  // bit 2j (2j + 1) of the high bits to bit 4
-            const __m512i h = _mm512_loadu_si512(p + kQ5High + l4 * 64);
+            const __m512i h = j == 0 ? load_run(p + kQ5High + l4 * 64) : _mm512_loadu_si512(p + kQ5High + l4 * 64);
             const __m512i hl = 2 * j <= 4 ? _mm512_slli_epi16(h, 4 - 2 * j) : _mm512_srli_epi16(h, 2 * j - 4);
             const __m512i hh = 2 * j + 1 <= 4 ? _mm512_slli_epi16(h, 3 - 2 * j) : _mm512_srli_epi16(h, 2 * j - 3);
             lo = _mm512_ternarylogic_epi32(v, m4, _mm512_and_si512(hl, bit4), 0xEA);
@@ -318,7 +327,6 @@ inline void panel_q6k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t
   const uint8_t* blocks = panel + panel_head(Q6_K, nb);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = blocks + b * 3328;
-    prefetch_span(p, 3328);
     __m512i ai[MB];
     for (int m = 0; m < MB; ++m) ai[m] = _mm512_setzero_si512();
 #pragma GCC unroll 2
@@ -332,7 +340,8 @@ inline void panel_q6k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t
         for (int l = 0; l < 4; ++l) {
           const int l4 = 4 * half + l;
           const uint8_t* run = p + (2 * n + half) * 832 + l * 192;  // ql (quarters 0, 2), ql + 32 (1, 3), qh
-          const __m512i a = _mm512_loadu_si512(run), c = _mm512_loadu_si512(run + 64), h = _mm512_loadu_si512(run + 128);
+          if (l == 0) prefetch_span(p + (2 * n + half) * 832 + 768, 64);  // the section's scales
+          const __m512i a = load_run(run), c = load_run(run + 64), h = load_run(run + 128);
           // quarter q of the half: a nibble of a (q even) or c (odd), high bits 2q, 2q + 1 of h at bits 4, 5
           __m512i codes[4];
           codes[0] = _mm512_ternarylogic_epi32(a, m4, _mm512_and_si512(_mm512_slli_epi16(h, 4), m30), 0xEA);
@@ -374,7 +383,7 @@ inline void panel_iq4xs(const uint8_t* panel, int64_t nb, const XBlock* x, int64
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = panel + b * (kIQ4Codes + 2048);
-    prefetch_span(p, kIQ4Codes + 2048);
+    prefetch_span(p, kIQ4Codes);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kIQ4D)));
     const __m512i low = _mm512_loadu_si512(p + kIQ4Low);  // scales_l: a dword per row
     const __m512i high = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kIQ4High)));
@@ -390,7 +399,7 @@ inline void panel_iq4xs(const uint8_t* panel, int64_t nb, const XBlock* x, int64
       for (int m = 0; m < MB; ++m) sum[m] = _mm512_set1_epi32(-128 * x[b * xs + m].bs32[ib]);
 #pragma GCC unroll 4
       for (int l4 = 0; l4 < 4; ++l4) {
-        const __m512i v = _mm512_loadu_si512(p + kIQ4Codes + (ib * 4 + l4) * 64);
+        const __m512i v = load_run(p + kIQ4Codes + (ib * 4 + l4) * 64);
         const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, m4));
         const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
 #pragma GCC unroll 4
@@ -422,7 +431,7 @@ inline void panel_q23k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = panel + b * kBlock;
-    prefetch_span(p, kBlock);
+    prefetch_span(p, Q3 ? kQ3High : kCodes);
     // the scale bytes a dword per row: Q3_K's 12 (u[2] the top bits), Q2_K's 16
     __m512i u[4];
     for (int w = 0; w < (Q3 ? 3 : 4); ++w) u[w] = _mm512_loadu_si512(p + 64 * w);
@@ -440,9 +449,9 @@ inline void panel_q23k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_
 #pragma GCC unroll 4
         for (int l = 0; l < 4; ++l) {
           const int l4 = 4 * half + l;
-          const __m512i qs = _mm512_loadu_si512(p + kCodes + (8 * n + l4) * 64);
+          const __m512i qs = load_run(p + kCodes + (8 * n + l4) * 64);
           __m512i hm = _mm512_setzero_si512();
-          if constexpr (Q3) hm = _mm512_loadu_si512(p + kQ3High + l4 * 64);
+          if constexpr (Q3) hm = n == 0 ? load_run(p + kQ3High + l4 * 64) : _mm512_loadu_si512(p + kQ3High + l4 * 64);
 #pragma GCC unroll 4
           for (int k = 0; k < 4; ++k) {
             const int g = 4 * n + k;  // 32 elements: bits 2k of qs, bit g of hm
