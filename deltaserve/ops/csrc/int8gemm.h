@@ -261,7 +261,7 @@ inline void open_row_panel(int64_t type, const uint8_t* panel, int64_t nb, int64
   }
   if (type == Q2_K || type == Q3_K) {
     const bool q3 = type == Q3_K;
-    const uint8_t* p = panel + b * (q3 ? kQ3Block : kQ2Block);
+    const uint8_t* p = panel + panel_head(type, nb) + b * (q3 ? kQ3Block : kQ2Block);
     const __m512i m3 = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
     for (int n = 0; n < 2; ++n)
       for (int l4 = 0; l4 < 8; ++l4) {
@@ -283,7 +283,7 @@ inline void open_row_panel(int64_t type, const uint8_t* panel, int64_t nb, int64
       }
       for (int i = 0; i < 8; ++i)
         out.off[i][r] = static_cast<int32_t>(static_cast<uint16_t>(off[2 * i]) | static_cast<uint32_t>(static_cast<uint16_t>(off[2 * i + 1])) << 16);
-      out.d[r] = half(p + (q3 ? kQ3D : kQ2D) + 2 * r);
+      out.d[r] = half(q3 ? panel + 32 * b + 2 * r : p + kQ2D + 2 * r);
       out.o[r] = q3 ? out.d[r] : half(p + kQ2Dmin + 2 * r);
     }
     return;

@@ -430,12 +430,12 @@ inline void panel_q23k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* p = panel + b * kBlock;
-    prefetch_span(p, Q3 ? kQ3High : kCodes);
+    const uint8_t* p = panel + panel_head(Q3 ? Q3_K : Q2_K, nb) + b * kBlock;
+    if constexpr (!Q3) prefetch_span(p + kQ2D, 64);
     // the scale bytes a dword per row: Q3_K's 12 (u[2] the top bits), Q2_K's 16
     __m512i u[4];
-    for (int w = 0; w < (Q3 ? 3 : 4); ++w) u[w] = _mm512_loadu_si512(p + 64 * w);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (Q3 ? kQ3D : kQ2D))));
+    for (int w = 0; w < (Q3 ? 3 : 4); ++w) u[w] = load_run(p + 64 * w);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(Q3 ? panel + 32 * b : p + kQ2D)));
     __m512i ai[MB];
     for (int m = 0; m < MB; ++m) ai[m] = _mm512_setzero_si512();
 #pragma GCC unroll 2

@@ -1,12 +1,12 @@
-// Row panels: K-quant and IQ4_XS rows (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) held 16 to a panel, the file's bytes only moved, so that one vector
-// instruction multiplies 4 codes of each of 16 rows by the same 4 activations broadcast (vpdpbusd, one int32 lane
+// Row panels: K-quant and IQ4_XS rows (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) held 16 to a panel, the file's bytes only
+// moved, so that one vector instruction multiplies 4 codes of each of 16 rows by the same 4 activations broadcast (vpdpbusd, one int32 lane
 // per row) and each row's scales and float factors apply per lane: no per-row reduction, scale shuffle or
 // horizontal sum, about a third of the row-at-a-time kernel's instructions. A panel takes the bytes of its 16 rows.
 //
 // Within a panel, per block b of the rows (nb a row), every native 4-byte (2, 1) piece of a block lands in a run
 // of 16, one per row: piece (native offset o, length len) of row r at region(b) + base + r * len, region(b) being
-// b times the panel block's bytes (Q2_K 1344, Q3_K 1760, Q4_K 2304, Q5_K 2816, IQ4_XS 2176; Q6_K 3328, after a head holding the d of
-// every block, nb x 32 bytes). Each block is laid out in the order its kernel reads it, front to back (the
+// b times the panel block's bytes (Q2_K 1344, Q4_K 2304, Q5_K 2816, IQ4_XS 2176; Q3_K 1728 and Q6_K 3328 after a head
+// holding the d of every block, nb x 32 bytes, so that their blocks stay whole cache lines). Each block is laid out in the order its kernel reads it, front to back (the
 // hardware prefetchers here lost half their rate to a stream that skips ahead and comes back):
 //
 //   Q4_K block: scale words u = 0..2 [3 x 64 B] | d [32 B] | dmin [32 B] | qs runs (j, l4) [32 x 64 B]
@@ -14,7 +14,7 @@
 //   Q6_K block: 4 sections (n, half of l4): 4 x (ql run, ql + 32 run, qh run) [768 B] | 4 scales [64 B]
 //   IQ4_XS block: d [32 B] | scales_h [32 B] | scales_l [64 B] | qs runs (ib, l4) [32 x 64 B]
 //   Q2_K block: scale words u = 0..3 [4 x 64 B] | d [32 B] | dmin [32 B] | qs runs (n, l4) [16 x 64 B]
-//   Q3_K block: scale words u = 0..2 [3 x 64 B] | d [32 B] | hmask runs l4 [8 x 64 B] | qs runs (n, l4) [16 x 64 B]
+//   Q3_K block: scale words u = 0..2 [3 x 64 B] | hmask runs l4 [8 x 64 B] | qs runs (n, l4) [16 x 64 B]
 //
 // A segment of a panel type with the table's panel flag holds rows / 16 panels, then its rows % 16 last rows
 // native. Every reader of packed bytes takes either (native_row gives a row's file bytes back).
@@ -39,8 +39,8 @@ struct Piece {
 
 struct PanelLayout {
   std::vector<Piece> pieces;
-  int64_t block;  // panel bytes per block (Q6_K: after the head)
-  int16_t head;   // Q6_K: the native offset of d, its runs first in the panel, 32 bytes a block (-1: none)
+  int64_t block;  // panel bytes per block (Q3_K, Q6_K: after the head)
+  int16_t head;   // Q3_K, Q6_K: the native offset of d, its runs first in the panel, 32 bytes a block (-1: none)
 };
 
 // where a Q4_K / Q5_K / IQ4_XS panel block's parts start (its kernels read them there)
@@ -48,7 +48,7 @@ constexpr int64_t kK4Scales = 0, kK4D = 192, kK4Dmin = 224, kQ5High = 256;
 inline constexpr int64_t k4_codes(bool q5) { return q5 ? 768 : 256; }
 constexpr int64_t kIQ4D = 0, kIQ4High = 32, kIQ4Low = 64, kIQ4Codes = 128;
 constexpr int64_t kQ2D = 256, kQ2Dmin = 288, kQ2Codes = 320, kQ2Block = 1344;
-constexpr int64_t kQ3D = 192, kQ3High = 224, kQ3Codes = 736, kQ3Block = 1760;  // both: scale words first
+constexpr int64_t kQ3High = 192, kQ3Codes = 704, kQ3Block = 1728;  // both: scale words first
 
 inline PanelLayout make_layout(int64_t type) {
   PanelLayout l{{}, 0, -1};
@@ -100,11 +100,11 @@ inline PanelLayout make_layout(int64_t type) {
     }
     case Q3_K: {
       for (int u = 0; u < 3; ++u) add(96 + 4 * u, 4, 64 * u);
-      add(108, 2, kQ3D);
       for (int l4 = 0; l4 < 8; ++l4) add(4 * l4, 4, kQ3High + 64 * l4);
       for (int n = 0; n < 2; ++n)
         for (int l4 = 0; l4 < 8; ++l4) add(32 + 32 * n + 4 * l4, 4, kQ3Codes + (8 * n + l4) * 64);
       l.block = kQ3Block;
+      l.head = 108;
       return l;
     }
   }
@@ -112,8 +112,8 @@ inline PanelLayout make_layout(int64_t type) {
   throw std::invalid_argument("row panels: GGML type " + std::to_string(type) + " has no panel layout");
 }
 
-// bytes before a panel's first block (Q6_K: the d of every block)
-inline int64_t panel_head(int64_t type, int64_t nb) { return type == Q6_K ? 32 * nb : 0; }
+// bytes before a panel's first block (Q3_K, Q6_K: the d of every block)
+inline int64_t panel_head(int64_t type, int64_t nb) { return type == Q3_K || type == Q6_K ? 32 * nb : 0; }
 
 inline const PanelLayout& panel_layout(int64_t type) {
   static const PanelLayout q2 = make_layout(Q2_K), q3 = make_layout(Q3_K), q4 = make_layout(Q4_K), q5 = make_layout(Q5_K),
