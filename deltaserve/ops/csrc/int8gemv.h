@@ -248,6 +248,18 @@ inline __m512i scale_pairs(__m512i bytes, int k) {
                                                       ctl(0), ctl(1), ctl(2), ctl(3), ctl(0), ctl(1), ctl(2), ctl(3)));
 }
 
+// acc[m] += d dx_m sums[m] - dmin dx_m mins[m] (a lane per weight row): a block's integer sums and mins into the float
+// accumulators, x the block's activation rows
+template <int MB>
+inline void add_block(__m512* acc, const __m512i* sums, const __m512i* mins, __m512 d, __m512 dmin, const XBlock* x) {
+#pragma GCC unroll 4
+  for (int m = 0; m < MB; ++m) {
+    const __m512 xd = _mm512_set1_ps(x[m].d);
+    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m]), _mm512_mul_ps(d, xd), acc[m]);
+    acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[m]), _mm512_mul_ps(dmin, xd), acc[m]);
+  }
+}
+
 // out[m * 16 + r] = (row r of a Q4_K / Q5_K panel) . (activation row m), x[b * xs + m]
 template <int MB, bool Q5>
 inline void panel_k4(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t xs, float* out) {
@@ -307,12 +319,7 @@ inline void panel_k4(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t 
         mins[m] = dot_pairs(mins[m], mn, _mm512_set1_epi32(pair));
       }
     }
-#pragma GCC unroll 4
-    for (int m = 0; m < MB; ++m) {
-      const __m512 xd = _mm512_set1_ps(x[b * xs + m].d);
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(blk[m]), _mm512_mul_ps(d, xd), acc[m]);
-      acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[m]), _mm512_mul_ps(dmin, xd), acc[m]);
-    }
+    add_block<MB>(acc, blk, mins, d, dmin, x + b * xs);
   }
   for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
 }
@@ -495,12 +502,7 @@ inline void panel_q23k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_
           mins[m] = dot_pairs(mins[m], mn, _mm512_set1_epi32(pair));
         }
       }
-#pragma GCC unroll 4
-      for (int m = 0; m < MB; ++m) {
-        const __m512 xd = _mm512_set1_ps(x[b * xs + m].d);
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[m]), _mm512_mul_ps(d, xd), acc[m]);
-        acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[m]), _mm512_mul_ps(dmin, xd), acc[m]);
-      }
+      add_block<MB>(acc, ai, mins, d, dmin, x + b * xs);
     }
   }
   for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
