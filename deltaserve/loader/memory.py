@@ -1,5 +1,6 @@
 """Memory outside torch's allocator: what glibc keeps of the temporaries freed while a checkpoint loads,
-huge-page memory for the weights themselves, and zeroed memory that is resident only once written (caches)."""
+huge-page regions the weights themselves are carved from, and zeroed memory that is resident only once written
+(caches)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import ctypes
 import ctypes.util
 import math
 import mmap
+import threading
+import weakref
 
 import torch
 
@@ -42,34 +45,53 @@ def _glibc():
         return None
 
 
-_HUGE_MIN_BYTES = 2 << 20  # one huge page
+_HUGE_PAGE = 2 << 20
+_REGION_BYTES = 256 << 20  # address space per region the weights are carved from (a larger weight: one of its own)
+_region: tuple[weakref.ref, int] | None = None  # the region weights are carved from now, and its bytes carved
+_region_lock = threading.Lock()
 
 
 def weight_empty(shape, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor for a weight, in memory the kernel may back with 2 MB pages (Linux, THP
-    "always" or "madvise"). Decode streams every weight once a token: with 4 KB pages the float16 GEMVs of a
-    0.8B model's layers reached 16-22 GB/s here, with 2 MB pages 22-25 (fewer TLB misses, and the hardware
-    prefetchers stop at page ends). The memory goes back to the system when the tensor is freed."""
-    return _anonymous(shape, dtype, huge=True)
+    """An uninitialised CPU tensor for a weight, carved (64-byte aligned) from a region of anonymous memory the
+    kernel may back with 2 MB pages (Linux, THP "always" or "madvise"). Decode streams every weight once a token:
+    with 4 KB pages the float16 GEMVs of a 0.8B model's layers reached 16-22 GB/s here, with 2 MB pages 22-25 (fewer
+    TLB misses, and the hardware prefetchers stop at page ends). The weights share regions because a mapping of a
+    few MB of its own is mostly not in 2 MB pages (its ends are not 2 MB aligned): a Q4_K_M 0.8B model's layer
+    matrices had 118 of their 286 MB in huge pages, and cold Q4_K matrices of 4 MB streamed 25.9 GB/s against 30.7
+    carved from one region (two Xeon cores). A region goes back to the system when every tensor carved from it is
+    freed (each holds it), so a weight freed alone keeps its bytes until its neighbours go: use this for weights."""
+    global _region
+    count = math.prod(shape)
+    nbytes = count * dtype.itemsize
+    if nbytes == 0 or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(shape, dtype=dtype)
+    with _region_lock:
+        buf, used = (_region[0](), _region[1]) if _region is not None else (None, 0)
+        if buf is None or used + nbytes > len(buf):
+            buf = _huge_mapping(max(_REGION_BYTES, nbytes + _HUGE_PAGE))
+            used = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % _HUGE_PAGE  # carve from a 2 MB boundary
+        _region = (weakref.ref(buf), (used + nbytes + 63) // 64 * 64)
+    return torch.frombuffer(buf, dtype=dtype, count=count, offset=used).view(shape)  # keeps buf alive
+
+
+def _huge_mapping(nbytes: int) -> mmap.mmap:
+    """Private anonymous memory (zero-filled, resident only where written) asking for 2 MB pages (shared anonymous
+    memory would not take them)."""
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: pages already faulted in stay small
+    except OSError:
+        pass  # THP off or unsupported: ordinary pages
+    return buf
 
 
 def lazy_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor whose pages take memory only once written: a KV cache sized for max_len tokens
-    in every slot costs what its sequences have filled, not its capacity (torch.zeros writes it all)."""
-    return _anonymous(shape, dtype, huge=False, zeroed=True)
-
-
-def _anonymous(shape, dtype: torch.dtype, huge: bool, zeroed: bool = False) -> torch.Tensor:
-    """Private anonymous memory (zero-filled by the kernel, freed with the tensor); below 2 MB, or off Linux,
-    the ordinary allocator."""
+    in every slot costs what its sequences have filled, not its capacity (torch.zeros writes it all). Below
+    2 MB, or off Linux, torch.zeros."""
     numel = math.prod(shape)
-    if numel * dtype.itemsize < _HUGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(shape, dtype=dtype) if zeroed else torch.empty(shape, dtype=dtype)
-    # private: shared anonymous memory would not take THP
+    if numel * dtype.itemsize < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype)
+    # private anonymous memory: zero-filled by the kernel, freed with the tensor
     buf = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge:
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: pages already faulted in stay small
-        except OSError:
-            pass  # THP off or unsupported: ordinary pages
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)  # keeps buf alive

@@ -39,3 +39,26 @@ def test_huge_pages_where_the_kernel_offers_them():
     del w
     gc.collect()
     assert _anon_huge_kb() - before < 2 << 10  # returned to the system
+
+
+def test_weights_of_a_few_mb_share_huge_pages():
+    """A model's layer matrices are a few MB each: carved one after another from one region, most of their bytes
+    are 2 MB pages, where a mapping each (ends not 2 MB aligned) left most of them in 4 KB pages."""
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text() or _anon_huge_kb() is None:
+        pytest.skip("no transparent huge pages on this machine")
+    before = _anon_huge_kb()
+    weights = [weight_empty((1536 * 1024 + 100,), torch.uint8).fill_(i) for i in range(20)]  # 30 MB, 1.5 MB each
+    assert all(w.data_ptr() % 64 == 0 for w in weights)
+    assert all(int(w[0]) == i and int(w[-1]) == i for i, w in enumerate(weights))  # no two overlap
+    assert _anon_huge_kb() - before >= 24 << 10
+    del weights
+    gc.collect()
+    assert _anon_huge_kb() - before < 2 << 10  # the region went back with its last tensor
+
+
+def test_a_weight_larger_than_a_region_has_its_own():
+    big = weight_empty(((300 << 20) // 4,), torch.float32)  # past the 256 MB a region spans
+    small = weight_empty((1000,), torch.float32)
+    big[-1], small[0] = 1.5, 2.5
+    assert big.numel() == (300 << 20) // 4 and float(big[-1]) == 1.5 and float(small[0]) == 2.5
