@@ -228,6 +228,36 @@ inline void amx_group(const Panel* p, const WidePanel* w, int mins, const std::v
 }
 #endif
 
+// the Panel of block b of a Q2_K (q3 false) or Q3_K row panel: codes 2 bits (Q3_K: | the hmask bit at 2), scales,
+// and the offsets: Q3_K's 4 at the block's scale, Q2_K's mins at dmin
+inline void open_q23k_panel(bool q3, const uint8_t* panel, int64_t nb, int64_t b, Panel& out) {
+  const uint8_t* p = panel + panel_head(q3 ? Q3_K : Q2_K, nb) + b * (q3 ? kQ3Block : kQ2Block);
+  const __m512i m3 = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+  for (int n = 0; n < 2; ++n)
+    for (int l4 = 0; l4 < 8; ++l4) {
+      const __m512i qs = _mm512_loadu_si512(p + (q3 ? kQ3Codes : kQ2Codes) + (8 * n + l4) * 64);
+      const __m512i hm = q3 ? _mm512_loadu_si512(p + kQ3High + l4 * 64) : _mm512_setzero_si512();
+      for (int k = 0; k < 4; ++k) {  // elements 32g + 4 l4 .. + 3, g = 4n + k: bits 2k of qs (Q3_K: bit g of hm at 2)
+        const int g = 4 * n + k;
+        const __m512i low = _mm512_and_si512(_mm512_srli_epi16(qs, 2 * k), m3);
+        _mm512_store_si512(out.q[8 * g + l4], _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hm, _mm512_set1_epi8(static_cast<char>(1 << g))), low, four));
+      }
+    }
+  for (int r = 0; r < 16; ++r) {
+    uint8_t bytes[16];  // the row's scale bytes
+    for (int u = 0; u < (q3 ? 3 : 4); ++u) std::memcpy(bytes + 4 * u, p + 64 * u + 4 * r, 4);
+    int16_t off[16];  // Q3_K: the codes' offset of 4 at the block's scale; Q2_K: the mins at dmin
+    for (int i = 0; i < 16; ++i) {
+      out.sc[i][r] = q3 ? q3k_scale(bytes, i) : bytes[i] & 0xF;
+      off[i] = static_cast<int16_t>(q3 ? 4 * out.sc[i][r] : bytes[i] >> 4);
+    }
+    for (int i = 0; i < 8; ++i)
+      out.off[i][r] = static_cast<int32_t>(static_cast<uint16_t>(off[2 * i]) | static_cast<uint32_t>(static_cast<uint16_t>(off[2 * i + 1])) << 16);
+    out.d[r] = half(q3 ? panel + 32 * b + 2 * r : p + kQ2D + 2 * r);
+    out.o[r] = q3 ? out.d[r] : half(p + kQ2Dmin + 2 * r);
+  }
+}
+
 // The Panel of one block of a row panel (panels.h): codes unpacked into element order, scales and offsets of the
 // 16 rows widened, straight from the panel's runs (no row is rebuilt).
 inline void open_row_panel(int64_t type, const uint8_t* panel, int64_t nb, int64_t b, Panel& out) {
@@ -259,35 +289,7 @@ inline void open_row_panel(int64_t type, const uint8_t* panel, int64_t nb, int64
     }
     return;
   }
-  if (type == Q2_K || type == Q3_K) {
-    const bool q3 = type == Q3_K;
-    const uint8_t* p = panel + panel_head(type, nb) + b * (q3 ? kQ3Block : kQ2Block);
-    const __m512i m3 = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
-    for (int n = 0; n < 2; ++n)
-      for (int l4 = 0; l4 < 8; ++l4) {
-        const __m512i qs = _mm512_loadu_si512(p + (q3 ? kQ3Codes : kQ2Codes) + (8 * n + l4) * 64);
-        const __m512i hm = q3 ? _mm512_loadu_si512(p + kQ3High + l4 * 64) : _mm512_setzero_si512();
-        for (int k = 0; k < 4; ++k) {  // elements 32g + 4 l4 .. + 3, g = 4n + k: bits 2k of qs (Q3_K: bit g of hm at 2)
-          const int g = 4 * n + k;
-          const __m512i low = _mm512_and_si512(_mm512_srli_epi16(qs, 2 * k), m3);
-          put(8 * g + l4, _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hm, _mm512_set1_epi8(static_cast<char>(1 << g))), low, four));
-        }
-      }
-    for (int r = 0; r < 16; ++r) {
-      uint8_t bytes[16];  // the row's scale bytes
-      for (int u = 0; u < (q3 ? 3 : 4); ++u) std::memcpy(bytes + 4 * u, p + 64 * u + 4 * r, 4);
-      int16_t off[16];  // Q3_K: the codes' offset of 4 at the block's scale; Q2_K: the mins at dmin
-      for (int i = 0; i < 16; ++i) {
-        out.sc[i][r] = q3 ? q3k_scale(bytes, i) : bytes[i] & 0xF;
-        off[i] = static_cast<int16_t>(q3 ? 4 * out.sc[i][r] : bytes[i] >> 4);
-      }
-      for (int i = 0; i < 8; ++i)
-        out.off[i][r] = static_cast<int32_t>(static_cast<uint16_t>(off[2 * i]) | static_cast<uint32_t>(static_cast<uint16_t>(off[2 * i + 1])) << 16);
-      out.d[r] = half(q3 ? panel + 32 * b + 2 * r : p + kQ2D + 2 * r);
-      out.o[r] = q3 ? out.d[r] : half(p + kQ2Dmin + 2 * r);
-    }
-    return;
-  }
+  if (type == Q2_K || type == Q3_K) return open_q23k_panel(type == Q3_K, panel, nb, b, out);
   if (type == Q6_K) {
     const uint8_t* p = panel + panel_head(Q6_K, nb) + b * 3328;
     for (int n = 0; n < 2; ++n)
