@@ -111,7 +111,7 @@ inline void q8_row(const int8_t* w, const at::Half* ws, const Q8Acts& a, int64_t
       const int64_t k = k0 + p;
       const __mmask64 keep = p + 1 < blocks ? ~__mmask64{0} : 0xFFFFFFFFull;
       const int8_t* wp = w + 32 * k;
-      _mm_prefetch(reinterpret_cast<const char*>(wp) + kGemvPrefetch, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wp) + kGemvPrefetch, _MM_HINT_T1);
       const __m512i v = _mm512_xor_si512(_mm512_maskz_loadu_epi8(keep, wp), flip);
       const __m512 s = _mm512_permutexvar_ps(_mm512_setr_epi32(p, p, p, p, p, p, p, p, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1), dw);
 #pragma GCC unroll 8
