@@ -1,13 +1,15 @@
 // Row panels: K-quant and IQ4_XS rows (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) held 16 to a panel, the file's bytes only
-// moved, so that one vector instruction multiplies 4 codes of each of 16 rows by the same 4 activations broadcast (vpdpbusd, one int32 lane
-// per row) and each row's scales and float factors apply per lane: no per-row reduction, scale shuffle or
-// horizontal sum, about a third of the row-at-a-time kernel's instructions. A panel takes the bytes of its 16 rows.
+// moved, so that one vector instruction multiplies 4 codes of each of 16 rows by the same 4 activations broadcast
+// (vpdpbusd, one int32 lane per row) and each row's scales and float factors apply per lane: no per-row reduction,
+// scale shuffle or horizontal sum, about a third of the row-at-a-time kernel's instructions. A panel takes the bytes
+// of its 16 rows.
 //
 // Within a panel, per block b of the rows (nb a row), every native 4-byte (2, 1) piece of a block lands in a run
 // of 16, one per row: piece (native offset o, length len) of row r at region(b) + base + r * len, region(b) being
 // b times the panel block's bytes (Q2_K 1344, Q4_K 2304, Q5_K 2816, IQ4_XS 2176; Q3_K 1728 and Q6_K 3328 after a head
-// holding the d of every block, nb x 32 bytes, so that their blocks stay whole cache lines). Each block is laid out in the order its kernel reads it, front to back (the
-// hardware prefetchers here lost half their rate to a stream that skips ahead and comes back):
+// holding the d of every block, nb x 32 bytes, so that their blocks stay whole cache lines). Each block is laid out
+// in the order its kernel reads it, front to back (the hardware prefetchers here lost half their rate to a stream
+// that skips ahead and comes back):
 //
 //   Q4_K block: scale words u = 0..2 [3 x 64 B] | d [32 B] | dmin [32 B] | qs runs (j, l4) [32 x 64 B]
 //   Q5_K block: scale words | d | dmin | qh runs l4 [8 x 64 B] | qs runs (j, l4)
