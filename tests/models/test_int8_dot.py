@@ -87,6 +87,24 @@ def test_mixed_types_zero_rows_and_outliers(rows, panels, prefill_path):
     assert_int8_matmul(run(x, w), x, ref)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("panels", PANELS)
+def test_decode_threads_split_mixed_rows_by_bytes(threads, panels):
+    """Decode's threads take runs of equal bytes, not rows: 900 Q6_K rows (210 bytes a block) then 700 Q4_K rows (144)
+    of K = 256 split at row 690 for 2 threads (460 and 929 for 3: inside a segment, inside a panel); every row is
+    computed once, by the thread whose run holds its panel's first row."""
+    segments = [(Q.Q6_K, 900), (Q.Q4_K, 700)]
+    w, ref = packed_matrix(segments, 256, seed=13, panels=panels)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(threads))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = run(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert_int8_matmul(y, x, ref)
+
+
 @pytest.mark.skipif(not (fused.available() and fused.extension().q8_int8()),
                     reason="this CPU has no AVX-512 VNNI (the Q8_0 integer kernels)")
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])

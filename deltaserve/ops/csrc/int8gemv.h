@@ -533,14 +533,40 @@ inline PanelKernel panel_kernel(int64_t type, int64_t mb) {
   }
 }
 
-// y [M, N] = xq (quantize_rows of x [M, K], M <= kRows) @ W^T. Threads take contiguous runs of rows (a panel goes
-// to the thread whose run holds its first row); panels of 16 rows through the panel kernels, native rows through
-// the row kernels, rows of 32-weight blocks (int8legacy.h) with x rounded per 32 (x8).
+// The rows where `shares` contiguous runs of a matrix's rows (segments of different types) hold equal bytes: [shares + 1]
+inline std::vector<int64_t> byte_shares(const Segments& seg, int64_t K, int64_t shares) {
+  std::vector<int64_t> bytes(seg.S);  // a row's, per segment
+  double total = 0;
+  for (int64_t s = 0; s < seg.S; ++s) {
+    const Layout l = layout(seg.type(s));
+    bytes[s] = K / l.block * l.bytes;
+    total += static_cast<double>(bytes[s]) * (seg.end(s) - seg.first(s));
+  }
+  std::vector<int64_t> cut(shares + 1, seg.rows);
+  cut[0] = 0;
+  double before = 0;  // bytes of the segments before s
+  for (int64_t i = 1, s = 0; i < shares; ++i) {
+    const double target = total * i / shares;
+    while (s + 1 < seg.S && before + static_cast<double>(bytes[s]) * (seg.end(s) - seg.first(s)) < target)
+      before += static_cast<double>(bytes[s]) * (seg.end(s) - seg.first(s)), ++s;
+    cut[i] = std::min(seg.end(s), seg.first(s) + static_cast<int64_t>((target - before) / bytes[s] + 0.5));
+  }
+  return cut;
+}
+
+// y [M, N] = xq (quantize_rows of x [M, K], M <= kRows) @ W^T. Threads take contiguous runs of rows of equal bytes (a
+// matrix may mix Q4_K and Q6_K rows; a panel goes to the thread whose run holds its first row); panels of 16 rows
+// through the panel kernels, native rows through the row kernels, rows of 32-weight blocks (int8legacy.h) with x
+// rounded per 32 (x8).
 inline void gemv_direct(const Segments& seg, const uint8_t* base, const XBlock* xq, const q8::Q8Acts& x8, int64_t M,
                         int64_t K, float* y) {
   const int64_t nb = K / 256, N = seg.rows;
   const int64_t grain = std::max<int64_t>(16, (64 << 10) / (nb * 144) / 16 * 16);  // a share of at least ~64 KB
-  at::parallel_for(0, N, grain, [&](int64_t lo, int64_t hi) {
+  const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N / grain));
+  const std::vector<int64_t> cut = byte_shares(seg, K, shares);
+  at::parallel_for(0, shares, 1, [&](int64_t i0, int64_t i1) {
+   for (int64_t i = i0; i < i1; ++i) {
+    const int64_t lo = cut[i], hi = cut[i + 1];
     const ShareClock clock(hi - lo);
     for (int64_t s = seg.find(lo); s < seg.S && seg.first(s) < hi; ++s) {
       const int64_t type = seg.type(s), first = seg.first(s), pend = first + seg.panel_rows(s), end = std::min(hi, seg.end(s));
@@ -561,6 +587,7 @@ inline void gemv_direct(const Segments& seg, const uint8_t* base, const XBlock* 
         for (int64_t m = 0; m < M; ++m) y[m * N + n] = sums[m];
       }
     }
+   }
   });
 }
 #else
