@@ -6,7 +6,9 @@
 
 Each engine runs in its own worker process (so its peak RSS is its own), alternating, for several
 repetitions. Measured: prefill tokens/s at 512 and 2048 prompt tokens, decode tokens/s (64 greedy tokens
-after a 512-token prompt), peak RSS; the table shows medians and the ratios deltaserve / llama.cpp. Below it:
+after a 512-token prompt), peak RSS, and that peak less the RSS after each engine's imports (the interpreter
+with torch, or with llama-cpp-python: a fixed cost that dominates small files); the table shows medians and the
+ratios deltaserve / llama.cpp. Below it:
 which of our decode kernels read how much of the weights, the GB/s our decode GEMVs alone stream them at
 (a token through every matmul weight), the machine's memory bandwidth by a 1 GiB torch copy, and the matmul
 kernels' rates beside this machine's peaks measured in the same run (bench/kernels.py).
@@ -19,13 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
 
-from deltaserve.bench import llama_peer
+from deltaserve.bench import llama_peer, peak_rss_mb
 
 
 def _prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
@@ -51,12 +52,13 @@ def _worker_deltaserve(args) -> dict:
 
     from deltaserve.engine.llm import LLM
 
+    imported = peak_rss_mb()  # the interpreter, torch and our modules, before the model
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     llm = LLM(args.model, max_len=max(args.prefill + [512]) + args.decode + 8, prefill_chunk=args.batch, dtype=dtype,
               cache_budget_mb=args.cache_mb)
     vocab = llm.model.config.vocab_size
-    runner, out = llm.runner, {}
+    runner, out = llm.runner, {"import_rss_mb": imported}
 
     def prefill(ids):
         runner.reset(0)
@@ -150,12 +152,14 @@ def _worker_kernels(args) -> dict:
 
 
 def _worker_llama(args) -> dict:
+    import llama_cpp  # noqa: F401 (imported here so that its share of the RSS is measured apart from the model's)
     import numpy as np
 
+    imported = peak_rss_mb()
     llm = llama_peer.open_llama(args.model, n_ctx=max(args.prefill + [512]) + args.decode + 8, n_batch=args.batch,
                                 n_ubatch=args.batch, n_threads=args.threads, n_threads_batch=args.threads,
                                 verbose=False)
-    vocab, out = llm.n_vocab(), {}
+    vocab, out = llm.n_vocab(), {"import_rss_mb": imported}
 
     def prefill(ids):
         llm.reset()
@@ -186,6 +190,28 @@ def _run_worker(engine: str, args) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"{engine} worker failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _table(args, engines: list[str], runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
+    """Prints the medians of the workers' runs per metric (and the ratio deltaserve / llama.cpp), the RSS past
+    each engine's imports among them; returns the medians."""
+    for run in (r for e in engines for r in runs[e]):
+        run["rss_past_imports_mb"] = run["peak_rss_mb"] - run["import_rss_mb"]
+    metrics = [f"prefill_{n}" for n in args.prefill] + ["decode", "peak_rss_mb", "rss_past_imports_mb"]
+    median = {e: {m: statistics.median(r[m] for r in runs[e]) for m in metrics} for e in engines}
+    print(f"\n{os.path.basename(args.model)}, {args.threads} threads, median of {args.reps}")
+    names = {m: m + (" MB" if m.endswith("_mb") else " tok/s") for m in metrics}
+    width = max(map(len, names.values())) + 1
+    print(f"{'metric':<{width}}" + "".join(f"{e:>14}" for e in engines) + ("       ratio" if len(engines) > 1 else ""))
+    for m in metrics:
+        row = f"{names[m]:<{width}}" + "".join(f"{median[e][m]:>14,.1f}" for e in engines)
+        if len(engines) > 1:
+            row += f"{median['deltaserve'][m] / median['llama.cpp'][m]:>11.2f}x"
+        print(row)
+    print("peak RSS after the imports, before the model: " + ", ".join(
+        f"{e} {statistics.median(r['import_rss_mb'] for r in runs[e]):,.1f} MB" for e in engines) +
+        " (deltaserve's is the interpreter with torch: rss_past_imports_mb sets it aside)")
+    return median
 
 
 def main(argv=None):
@@ -222,7 +248,7 @@ def main(argv=None):
         workers = {"deltaserve": _worker_deltaserve, "llama.cpp": _worker_llama, "bandwidth": _worker_bandwidth,
                    "kernels": _worker_kernels}
         result = workers[args.worker](args)
-        result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        result["peak_rss_mb"] = peak_rss_mb()
         print(json.dumps(result))
         return
 
@@ -232,17 +258,7 @@ def main(argv=None):
         for engine in engines:
             runs[engine].append(_run_worker(engine, args))
             print(f"rep {rep + 1}/{args.reps} {engine}: {runs[engine][-1]}", file=sys.stderr, flush=True)
-    metrics = [f"prefill_{n}" for n in args.prefill] + ["decode", "peak_rss_mb"]
-    median = {e: {m: statistics.median(r[m] for r in runs[e]) for m in metrics} for e in engines}
-
-    print(f"\n{os.path.basename(args.model)}, {args.threads} threads, median of {args.reps}")
-    print(f"{'metric':<16}" + "".join(f"{e:>14}" for e in engines) + ("       ratio" if len(engines) > 1 else ""))
-    for m in metrics:
-        unit = " MB" if m == "peak_rss_mb" else " tok/s"
-        row = f"{m + unit:<16}" + "".join(f"{median[e][m]:>14,.1f}" for e in engines)
-        if len(engines) > 1:
-            row += f"{median['deltaserve'][m] / median['llama.cpp'][m]:>11.2f}x"
-        print(row)
+    median = _table(args, engines, runs)
     peer_note = llama_peer.note() if "llama.cpp" in engines else None
     if peer_note:
         print(peer_note)

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
 
-from deltaserve.bench import llama_peer
+from deltaserve.bench import llama_peer, peak_rss_mb
 from deltaserve.bench.compare import _prompt
 
 METRICS = ("prefill", "decode", "peak_rss_mb")
@@ -132,5 +131,5 @@ def _table(args, engines: list[str], median: dict) -> None:
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     engine, model, n, decode, batch, threads = sys.argv[2], sys.argv[3], *map(int, sys.argv[4:8])
     result = (worker_deltaserve if engine == "deltaserve" else worker_llama)(model, n, decode, batch, threads)
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["peak_rss_mb"] = peak_rss_mb()
     print(json.dumps(result))

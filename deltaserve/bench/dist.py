@@ -26,10 +26,11 @@ import argparse
 import json
 import os
 import queue
-import resource
 import socket
 import sys
 import time
+
+from deltaserve.bench import peak_rss_mb
 
 LINK_BITS_PER_S = 10e9
 
@@ -66,10 +67,6 @@ def _measure(model, prompt: list[int], decode: int, batch: int = 1, moved=lambda
                 marks=marks + [passes()])
 
 
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _single(args, out) -> None:
     import torch
 
@@ -78,7 +75,7 @@ def _single(args, out) -> None:
     torch.set_num_threads(args.threads)
     model, _ = load(args.model)
     result = _measure(model, _prompt(args.prompt, model.config.vocab_size), args.decode, args.batch)
-    out.put((0, result | dict(peak_rss_mb=_peak_rss_mb())))
+    out.put((0, result | dict(peak_rss_mb=peak_rss_mb())))
 
 
 def _rank(rank: int, args, split: str, micro: int, port: int, out) -> None:
@@ -112,7 +109,7 @@ def _rank(rank: int, args, split: str, micro: int, port: int, out) -> None:
                           lambda: len(CLOCK.passes))
         result["messages_per_token"] += split == "tp"  # the gather of the logits
         out.put((rank, result))
-    out.put((rank, dict(peak_rss_mb=_peak_rss_mb(), passes=list(CLOCK.passes), done=True)))
+    out.put((rank, dict(peak_rss_mb=peak_rss_mb(), passes=list(CLOCK.passes), done=True)))
 
 
 def _prompt(n: int, vocab: int) -> list[int]:
