@@ -31,7 +31,8 @@ from deltaserve.loader.memory import weight_empty
 from deltaserve.models import packed
 from deltaserve.ops import fused
 
-_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,)}  # byte offsets of a block's float16 scales
+_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,),
+           Q.Q4_0: (0,)}  # byte offsets of a block's float16 scales
 _HIDDEN, _ROWS = 1024, 6144  # the 0.8B shapes: hidden size, a fused projection's output rows
 
 

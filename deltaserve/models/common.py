@@ -96,7 +96,7 @@ def _file_form(p, ckpt, fmt: str, matmul: bool, device, part=None) -> torch.Tens
     source = ", ".join(f"{n} {ckpt.qtype(n).name}" if typed else n for n in names(layout)) if layout else ""
     if matmul and layout is not None:
         w = packed.read(layout, ckpt)
-        if w is not None:  # the share of the file's rows, then its K-quant rows in panels where the kernels read so
+        if w is not None:  # the share of the file's rows, then its K-quant and Q4_0 rows in panels (to_panels)
             return packed.to_panels(w if part is None else part.shard(p.name, w, source=source))
     (_, t), = load_params([p], ckpt, fmt)
     if part is not None:  # a Q8_0 file's matrix stays in its blocks of 32: a column share must fall on them

@@ -29,7 +29,8 @@ TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.MXFP4, Q.
 # A matrix all of Q8_0 is held as int8 + scales instead (layers.quantize_q8), whose integer kernels beat these; Q8_0
 # rows are packed where a fused projection mixes them with other types (a MoE Q4_K_M file's attention inputs).
 INT8_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})  # with integer dot-product kernels in every build (int8dot.h)
-PANEL_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})  # the integer kernels read these 16 rows to a panel
+# the integer kernels read these 16 rows to a panel (ops/csrc/panels.h)
+PANEL_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.Q4_0})
 # Matrices all of int8_types() multiply activations rounded to int8 (per 256 for K-quants and IQ4_XS, llama.cpp's Q8_K;
 # per 32 for the types of 32-weight blocks, its Q8_0), as llama.cpp does on these files: its speed, and its rounding.
 # False: float32 activations times the exact weights (slower).
@@ -103,14 +104,14 @@ def int8_types() -> frozenset:
 
 
 def panels_here() -> bool:
-    """Whether this machine's integer kernels read K-quant matrices in row panels (AVX-512 builds)."""
+    """Whether this machine's integer kernels read K-quant (and Q4_0) matrices in row panels (AVX-512 builds)."""
     return fused.available() and fused.extension().int8_panels() == PANEL_ROWS
 
 
 def to_panels(w: torch.Tensor) -> torch.Tensor:
-    """Packed parameter w with its K-quant rows moved into row panels, in place (its bytes and nothing else), where
-    this machine's integer kernels read them so (every row of w of a type they take); w unchanged otherwise: the
-    float kernels read the file's rows 3.5x faster than panels (a Q8_0 + Q4_K projection, 0.25 vs 0.88 ms)."""
+    """Packed parameter w with its K-quant and Q4_0 rows moved into row panels, in place (its bytes and nothing else),
+    where this machine's integer kernels read them so (every row of w of a type they take); w unchanged otherwise:
+    the float kernels read the file's rows 3.5x faster than panels (a Q8_0 + Q4_K projection, 0.25 vs 0.88 ms)."""
     pk = w.packing
     if pk.panels or not panels_here() or not pk.int8:
         return w

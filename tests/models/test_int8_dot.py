@@ -89,11 +89,15 @@ def test_mixed_types_zero_rows_and_outliers(rows, panels, prefill_path):
 
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("panels", PANELS)
-def test_decode_threads_split_mixed_rows_by_bytes(threads, panels):
+@pytest.mark.parametrize("first", [Q.Q6_K, Q.Q4_0], ids=lambda t: t.name)
+def test_decode_threads_split_mixed_rows_by_bytes(first, threads, panels):
     """Decode's threads take runs of equal bytes, not rows: 900 Q6_K rows (210 bytes a block) then 700 Q4_K rows (144)
     of K = 256 split at row 690 for 2 threads (460 and 929 for 3: inside a segment, inside a panel); every row is
-    computed once, by the thread whose run holds its panel's first row."""
-    segments = [(Q.Q6_K, 900), (Q.Q4_K, 700)]
+    computed once, by the thread whose run holds its panel's first row. Q4_0 rows (144 bytes per 256, activations
+    rounded per 32) before the Q4_K ones split where the rows do."""
+    if first not in packed.int8_types():
+        pytest.skip(f"{first.name} has no integer kernel in this build (AVX-512 VNNI)")
+    segments = [(first, 900), (Q.Q4_K, 700)]
     w, ref = packed_matrix(segments, 256, seed=13, panels=panels)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(threads))
     before = torch.get_num_threads()
@@ -102,7 +106,13 @@ def test_decode_threads_split_mixed_rows_by_bytes(threads, panels):
         y = run(x, w)
     finally:
         torch.set_num_threads(before)
-    assert_int8_matmul(y, x, ref)
+    if first == Q.Q6_K:
+        assert_int8_matmul(y, x, ref)
+        return
+    y = y.double()
+    xq8 = q8_0_rounded(x)  # the Q4_0 rows against activations rounded per 32, the Q4_K rows per 256
+    assert torch.all((y[:, :900] - xq8 @ ref[:900].T).abs() <= 1e-5 * (xq8.abs() @ ref[:900].abs().T) + 1e-30)
+    assert_int8_matmul(y[:, 900:], x, ref[900:])
 
 
 @pytest.mark.skipif(not (fused.available() and fused.extension().q8_int8()),
@@ -150,16 +160,20 @@ def test_a_short_tile_of_32_weight_blocks_ends_its_group(prefill_path):
     assert_int8_matmul(y[:, ~q8], x, ref[~q8])
 
 
+@pytest.mark.parametrize("panels", PANELS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
 @pytest.mark.parametrize("qtype", BLOCK32, ids=lambda t: t.name)
 @pytest.mark.parametrize("out_rows", [37, 83], ids=lambda n: f"out{n}")  # tiles of 16: 2 + 5 rows; 5 + 3 rows
-def test_32_weight_blocks(qtype, rows, out_rows, prefill_path):
+def test_32_weight_blocks(qtype, rows, out_rows, panels, prefill_path):
     """Q4_0, Q4_1, Q5_0, Q5_1 (and Q8_0) matrices as decode (up to 8 activation rows) and prefill multiply them:
     activations rounded per 32 (llama.cpp's Q8_0), the _1 types' offsets times the rounded block sums; within
     float32 rounding of the float64 product of gguf-py's weights and the rounded activations. On AMX tiles the
-    prefill takes 4 weight tiles at a time (83 rows: 4, then 2 with the last of 3)."""
+    prefill takes 4 weight tiles at a time (83 rows: 4, then 2 with the last of 3). Q4_0 rows also in row panels
+    (decode reads the panels, prefill the rows rebuilt from them; the last out_rows % 16 stay as in the file)."""
+    if panels and qtype not in packed.PANEL_TYPES:
+        pytest.skip("of the 32-weight types only Q4_0 rows go into panels")
     K = 544  # 17 blocks: an odd one ends each row
-    w, ref = packed_matrix([(qtype, out_rows)], K, seed=int(qtype) + rows)
+    w, ref = packed_matrix([(qtype, out_rows)], K, seed=int(qtype) + rows, panels=panels)
     assert packed.uses_int8(w)
     x = torch.randn(rows, K) * torch.rand(rows, 1) * 4
     x[-1, :32] = 0  # a block of zeros: its scale 0

@@ -30,8 +30,8 @@ def float_activations(monkeypatch):
 
 def packed_matrix(segments, K, seed=0, x_index=None, panels=False):
     """A packed [N, K] matrix of random blocks (finite scales), rows in `segments` ((type, rows), ...), and its
-    values from gguf-py as float64 (in held column order); panels: its K-quant rows moved into row panels (the
-    test is skipped where the kernels read none)."""
+    values from gguf-py as float64 (in held column order); panels: its K-quant (and Q4_0) rows moved into row panels
+    (the test is skipped where the kernels read none)."""
     if panels and not packed.panels_here():
         pytest.skip("this build's integer kernels read rows as the file holds them (no AVX-512)")
     if panels and not {qtype for qtype, _ in segments} <= packed.int8_types():
@@ -74,7 +74,7 @@ PANELS = [pytest.param(False, id="file-rows"), pytest.param(True, id="panels")]
 def test_rows_are_the_files_values(qtype, panels):
     """Rows as the file holds them, or (K-quants) 16 to a panel, the last 37 % 16 as they were."""
     if panels and qtype not in packed.int8_types() & packed.PANEL_TYPES:
-        pytest.skip("only rows of K-quants and IQ4_XS with integer kernels go into panels")
+        pytest.skip("only rows of K-quants, IQ4_XS and Q4_0 with integer kernels go into panels")
     w, ref = packed_matrix([(qtype, 37)], row_width(qtype), seed=int(qtype), panels=panels)
     assert torch.equal(dequantize(w, torch.float32).double(), ref)  # the C++ decoders, bit for bit
     ids = torch.tensor([[36, 0, 5], [5, 17, 36]])

@@ -143,12 +143,14 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
           // (a short tile ends a group: the next segment's rows may start 16 after it, past other types' rows)
           if (n32 && (n32 == q8::kQ8AmxTiles || last32 != 16 || tile.n0 != first32 + 16 * n32)) run32();
           if (!n32) first32 = tile.n0;
-          tile32[n32++].open(type, rows, row_bytes, tile.rows, K);
+          if (tile.panel) tile32[n32++].open_q40_panel(rows, K);  // (Q4_0: the only such panels)
+          else tile32[n32++].open(type, rows, row_bytes, tile.rows, K);
           last32 = tile.rows;
           continue;
         }
 #endif
-        tile32[0].open(type, rows, row_bytes, tile.rows, K);
+        if (tile.panel) tile32[0].open_q40_panel(rows, K);
+        else tile32[0].open(type, rows, row_bytes, tile.rows, K);
         tile32[0].run(x8, y + tile.n0, N, tile.rows);
         continue;
       }

@@ -3,7 +3,8 @@
 // (Q5_0), q (the _1 types, whose offset m then adds m dx sum(qx) per block, from the rounded activations). Decode
 // reads a row's blocks straight into registers (legacy_row); prefill opens 16 rows at a time into a Q8Tile for
 // int8q8.h's GEMM (on AMX tiles where they run, 4 such tiles at a time: run_amx). Q8_0 rows beside them are read
-// where they lie.
+// where they lie. Q4_0 rows are held 16 to a row panel where the K-quants' are (panels.h): decode reads them with
+// panel_gemv.h's panel_q40, prefill opens a panel with open_q40_panel.
 #pragma once
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -185,6 +186,28 @@ struct Tile32 {
       open_row32(type, first + r * row_bytes, nb, codes.data() + r * K, d.data() + r * nb, m.data() + r * nb);
     tile.open(codes.data(), d.data(), rows, K);
   }
+
+#if defined(__AVX512BW__)
+  // the 16 rows of a Q4_0 row panel (panels.h: a head of the blocks' d, then 4 runs of 64 bytes a block)
+  void open_q40_panel(const uint8_t* panel, int64_t K) {
+    offsets_ = false;
+    const int64_t nb = K / 32;
+    codes.resize(16 * K), d.resize(16 * nb), m.resize(16 * nb);
+    const __m512i m4 = _mm512_set1_epi8(0xF), eight = _mm512_set1_epi8(8);
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int>(K)));  // row r's codes
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int r = 0; r < 16; ++r) std::memcpy(&d[r * nb + b], panel + 32 * b + 2 * r, 2);
+      for (int j = 0; j < 4; ++j) {  // run j: bytes 4j .. 4j + 3 of each row's qs, elements 4j .. and 16 + 4j ..
+        const __m512i v = _mm512_loadu_si512(panel + 32 * nb + 256 * b + 64 * j);
+        int8_t* c = codes.data() + 32 * b + 4 * j;
+        _mm512_i32scatter_epi32(c, at, _mm512_sub_epi8(_mm512_and_si512(v, m4), eight), 1);
+        _mm512_i32scatter_epi32(c + 16, at, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), eight), 1);
+      }
+    }
+    tile.open(codes.data(), d.data(), 16, K);
+  }
+#endif
 
   // y[r][0 .. rows) (stride ldy) for every activation row r of a
   void run(const Q8Acts& a, float* y, int64_t ldy, int64_t rows) const {

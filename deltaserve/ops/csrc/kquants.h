@@ -257,7 +257,9 @@ inline void decode_block(int64_t type, const uint8_t* b, float* y) {
 }
 
 // the types panels.h lays out 16 rows to a panel
-inline bool panel_type(int64_t type) { return type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS; }
+inline bool panel_type(int64_t type) {
+  return type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS || type == Q4_0;
+}
 
 // The segment table of a packed matrix, checked once per call against its bytes.
 struct Segments {

@@ -330,6 +330,42 @@ inline PanelKernel panel_kernel_mb(int64_t type) {
   return nullptr;
 }
 
+// out[m * 16 + r] = (row r of a Q4_0 panel: nb blocks of 32) . (activation row m0 + m of a, rounded per 32 as
+// llama.cpp's Q8_0): per block, the codes' low nibbles (elements 4j ..) and high ones (16 + 4j ..) of each run j
+// through vpdpbusd, the bias of 8 as -8 x the block's activation sum (a.start / 16, exact), then d dx per lane
+template <int MB>
+inline void panel_q40(const uint8_t* panel, int64_t nb, const q8::Q8Acts& a, int64_t m0, float* out) {
+  const __m512i m4 = _mm512_set1_epi8(0xF);
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = panel + 32 * nb + b * kQ40Block;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + 32 * b)));
+    __m512i sum[MB];
+    for (int m = 0; m < MB; ++m) sum[m] = _mm512_set1_epi32(a.start[(m0 + m) * nb + b] / 16);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = load_run(p + 64 * j);
+      const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+#pragma GCC unroll 4
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* x = a.q.data() + (m0 + m) * a.K + 32 * b + 4 * j;
+        sum[m] = dot4(dot4(sum[m], lo, x), hi, x + 16);
+      }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum[m]), _mm512_set1_ps(a.d[(m0 + m) * nb + b])), d, acc[m]);
+  }
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
+}
+
+using Q40Kernel = void (*)(const uint8_t*, int64_t, const q8::Q8Acts&, int64_t, float*);
+inline Q40Kernel panel_q40_kernel(int64_t mb) {
+  static constexpr Q40Kernel by_rows[4] = {panel_q40<1>, panel_q40<2>, panel_q40<3>, panel_q40<4>};
+  return by_rows[std::min<int64_t>(mb, 4) - 1];
+}
+
 // activation rows are taken 4 at a time (more would spill the accumulators)
 inline PanelKernel panel_kernel(int64_t type, int64_t mb) {
   switch (mb) {
@@ -382,7 +418,8 @@ inline void gemv_direct(const Segments& seg, const uint8_t* base, const XBlock* 
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
           const int64_t mb = std::min<int64_t>(4, M - m0);
           alignas(64) float out[4 * kPanel];
-          panel_kernel(type, mb)(panel, nb, xq + m0, M, out);
+          if (type == Q4_0) panel_q40_kernel(mb)(panel, K / 32, x8, m0, out);
+          else panel_kernel(type, mb)(panel, nb, xq + m0, M, out);
           for (int64_t m = 0; m < mb; ++m) std::memcpy(y + (m0 + m) * N + n, out + m * kPanel, kPanel * sizeof(float));
         }
       }

@@ -1,13 +1,13 @@
-// Row panels: K-quant and IQ4_XS rows (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) held 16 to a panel, the file's bytes only
-// moved, so that one vector instruction multiplies 4 codes of each of 16 rows by the same 4 activations broadcast
-// (vpdpbusd, one int32 lane per row) and each row's scales and float factors apply per lane: no per-row reduction,
-// scale shuffle or horizontal sum, about a third of the row-at-a-time kernel's instructions. A panel takes the bytes
-// of its 16 rows.
+// Row panels: K-quant, IQ4_XS and Q4_0 rows (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0) held 16 to a panel, the
+// file's bytes only moved, so that one vector instruction multiplies 4 codes of each of 16 rows by the same 4
+// activations broadcast (vpdpbusd, one int32 lane per row) and each row's scales and float factors apply per lane:
+// no per-row reduction, scale shuffle or horizontal sum, about a third of the row-at-a-time kernel's instructions.
+// A panel takes the bytes of its 16 rows.
 //
 // Within a panel, per block b of the rows (nb a row), every native 4-byte (2, 1) piece of a block lands in a run
 // of 16, one per row: piece (native offset o, length len) of row r at region(b) + base + r * len, region(b) being
-// b times the panel block's bytes (Q2_K 1344, Q4_K 2304, Q5_K 2816, IQ4_XS 2176; Q3_K 1728 and Q6_K 3328 after a head
-// holding the d of every block, nb x 32 bytes, so that their blocks stay whole cache lines). Each block is laid out
+// b times the panel block's bytes (Q2_K 1344, Q4_K 2304, Q5_K 2816, IQ4_XS 2176; Q3_K 1728, Q6_K 3328 and Q4_0 256
+// after a head holding the d of every block, nb x 32 bytes, so that their blocks stay whole cache lines). Each block is laid out
 // in the order its kernel reads it, front to back (the hardware prefetchers here lost half their rate to a stream
 // that skips ahead and comes back):
 //
@@ -17,6 +17,7 @@
 //   IQ4_XS block: d [32 B] | scales_h [32 B] | scales_l [64 B] | qs runs (ib, l4) [32 x 64 B]
 //   Q2_K block: scale words u = 0..3 [4 x 64 B] | d [32 B] | dmin [32 B] | qs runs (n, l4) [16 x 64 B]
 //   Q3_K block: scale words u = 0..2 [3 x 64 B] | hmask runs l4 [8 x 64 B] | qs runs (n, l4) [16 x 64 B]
+//   Q4_0 block (32 weights, after the head of d): qs runs r = 0..3 [4 x 64 B]
 //
 // A segment of a panel type with the table's panel flag holds rows / 16 panels, then its rows % 16 last rows
 // native. Every reader of packed bytes takes either (native_row gives a row's file bytes back).
@@ -51,6 +52,7 @@ inline constexpr int64_t k4_codes(bool q5) { return q5 ? 768 : 256; }
 constexpr int64_t kIQ4D = 0, kIQ4High = 32, kIQ4Low = 64, kIQ4Codes = 128;
 constexpr int64_t kQ2D = 256, kQ2Dmin = 288, kQ2Codes = 320, kQ2Block = 1344;
 constexpr int64_t kQ3High = 192, kQ3Codes = 704, kQ3Block = 1728;  // both: scale words first
+constexpr int64_t kQ40Block = 256;  // Q4_0: after a head of the blocks' d, as Q3_K's and Q6_K's
 
 inline PanelLayout make_layout(int64_t type) {
   PanelLayout l{{}, 0, -1};
@@ -100,6 +102,11 @@ inline PanelLayout make_layout(int64_t type) {
       l.block = kQ2Block;
       return l;
     }
+    case Q4_0:  // 32 weights a block: its qs in 4 runs, bytes 4r .. 4r + 3 (elements 4r .., 16 + 4r ..) of each row
+      for (int r = 0; r < 4; ++r) add(2 + 4 * r, 4, 64 * r);
+      l.block = kQ40Block;
+      l.head = 0;
+      return l;
     case Q3_K: {
       for (int u = 0; u < 3; ++u) add(96 + 4 * u, 4, 64 * u);
       for (int l4 = 0; l4 < 8; ++l4) add(4 * l4, 4, kQ3High + 64 * l4);
@@ -114,13 +121,13 @@ inline PanelLayout make_layout(int64_t type) {
   throw std::invalid_argument("row panels: GGML type " + std::to_string(type) + " has no panel layout");
 }
 
-// bytes before a panel's first block (Q3_K, Q6_K: the d of every block)
-inline int64_t panel_head(int64_t type, int64_t nb) { return type == Q3_K || type == Q6_K ? 32 * nb : 0; }
+// bytes before a panel's first block (Q3_K, Q6_K, Q4_0: the d of every block)
+inline int64_t panel_head(int64_t type, int64_t nb) { return type == Q3_K || type == Q6_K || type == Q4_0 ? 32 * nb : 0; }
 
 inline const PanelLayout& panel_layout(int64_t type) {
   static const PanelLayout q2 = make_layout(Q2_K), q3 = make_layout(Q3_K), q4 = make_layout(Q4_K), q5 = make_layout(Q5_K),
-                           q6 = make_layout(Q6_K), iq4 = make_layout(IQ4_XS);
-  return type == Q2_K ? q2 : type == Q3_K ? q3 : type == Q4_K ? q4 : type == Q5_K ? q5 : type == Q6_K ? q6 : iq4;
+                           q6 = make_layout(Q6_K), iq4 = make_layout(IQ4_XS), q40 = make_layout(Q4_0);
+  return type == Q2_K ? q2 : type == Q3_K ? q3 : type == Q4_K ? q4 : type == Q5_K ? q5 : type == Q6_K ? q6 : type == Q4_0 ? q40 : iq4;
 }
 
 // native_offset in a block <-> offset in a panel of nb blocks, for row r of block b
