@@ -231,7 +231,8 @@ def test_build_without_vbmi():
 # -- whole models against llama.cpp, which runs the same arithmetic on the same files ---------------------
 
 @pytest.mark.parametrize("arch, quant, nearer", [("qwen35", "Q4_K_M", 4), ("qwen35moe", "Q4_K_M", 4),
-                                                 ("qwen35", "Q3_K_M", 4), ("qwen35", "Q2_K", 4), ("qwen35", "Q4_0", 2)])
+                                                 ("qwen35", "Q3_K_M", 4), ("qwen35", "Q2_K", 4), ("qwen35", "Q4_0", 2),
+                                                 ("qwen35moe", "Q4_0", 2)])
 def test_k_quant_model_matches_llama_cpp(arch, quant, nearer, tmp_path, monkeypatch):
     """Last-token logits near llama.cpp's on a file its own quantiser wrote, much nearer than with float32
     activations: both engines round activations to Q8_K. These random tiny models amplify a single rounding
