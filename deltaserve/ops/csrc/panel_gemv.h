@@ -1,8 +1,8 @@
-// The decode GEMV of K-quant and IQ4_XS weights held in row panels (panels.h) on AVX-512 BW: 16 weight rows a pass,
-// one int32 lane per row, their codes opened in registers as they stream in; and gemv_direct, the decode call, which
-// gives a matrix's panels to these kernels and its other rows to int8gemv.h's row kernels (int8legacy.h's for rows
-// of 32-weight blocks). Threads take contiguous runs of weight rows (one each: no sync inside a call), prefetching
-// their stream.
+// The decode GEMV of K-quant, IQ4_XS and Q4_0 weights held in row panels (panels.h) on AVX-512 BW: 16 weight rows a
+// pass, one int32 lane per row, their codes opened in registers as they stream in; and gemv_direct, the decode call,
+// which gives a matrix's panels to these kernels and its other rows to int8gemv.h's row kernels (int8legacy.h's for
+// rows of 32-weight blocks). Threads take contiguous runs of weight rows (one each: no sync inside a call),
+// prefetching their stream.
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -408,30 +408,30 @@ inline void gemv_direct(const Segments& seg, const uint8_t* base, const XBlock* 
   const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N / grain));
   const std::vector<int64_t> cut = byte_shares(seg, K, shares);
   at::parallel_for(0, shares, 1, [&](int64_t i0, int64_t i1) {
-   for (int64_t i = i0; i < i1; ++i) {
-    const int64_t lo = cut[i], hi = cut[i + 1];
-    const ShareClock clock(hi - lo);
-    for (int64_t s = seg.find(lo); s < seg.S && seg.first(s) < hi; ++s) {
-      const int64_t type = seg.type(s), first = seg.first(s), pend = first + seg.panel_rows(s), end = std::min(hi, seg.end(s));
-      for (int64_t n = first + (std::max(lo, first) - first + kPanel - 1) / kPanel * kPanel; n < std::min(hi, pend); n += kPanel) {
-        const uint8_t* panel = seg.row(base, s, n, K);
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-          const int64_t mb = std::min<int64_t>(4, M - m0);
-          alignas(64) float out[4 * kPanel];
-          if (type == Q4_0) panel_q40_kernel(mb)(panel, K / 32, x8, m0, out);
-          else panel_kernel(type, mb)(panel, nb, xq + m0, M, out);
-          for (int64_t m = 0; m < mb; ++m) std::memcpy(y + (m0 + m) * N + n, out + m * kPanel, kPanel * sizeof(float));
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t lo = cut[i], hi = cut[i + 1];
+      const ShareClock clock(hi - lo);
+      for (int64_t s = seg.find(lo); s < seg.S && seg.first(s) < hi; ++s) {
+        const int64_t type = seg.type(s), first = seg.first(s), pend = first + seg.panel_rows(s), end = std::min(hi, seg.end(s));
+        for (int64_t n = first + (std::max(lo, first) - first + kPanel - 1) / kPanel * kPanel; n < std::min(hi, pend); n += kPanel) {
+          const uint8_t* panel = seg.row(base, s, n, K);
+          for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t mb = std::min<int64_t>(4, M - m0);
+            alignas(64) float out[4 * kPanel];
+            if (type == Q4_0) panel_q40_kernel(mb)(panel, K / 32, x8, m0, out);
+            else panel_kernel(type, mb)(panel, nb, xq + m0, M, out);
+            for (int64_t m = 0; m < mb; ++m) std::memcpy(y + (m0 + m) * N + n, out + m * kPanel, kPanel * sizeof(float));
+          }
+        }
+        const RowKernel f = q8::block32(type) ? nullptr : row_kernel(type, M);
+        for (int64_t n = std::max(lo, pend); n < end; ++n) {
+          float sums[kRows];
+          if (f) f(seg.row(base, s, n, K), nb, xq, sums);
+          else q8::rows32(type, M, seg.row(base, s, n, K), x8, sums);
+          for (int64_t m = 0; m < M; ++m) y[m * N + n] = sums[m];
         }
       }
-      const RowKernel f = q8::block32(type) ? nullptr : row_kernel(type, M);
-      for (int64_t n = std::max(lo, pend); n < end; ++n) {
-        float sums[kRows];
-        if (f) f(seg.row(base, s, n, K), nb, xq, sums);
-        else q8::rows32(type, M, seg.row(base, s, n, K), x8, sums);
-        for (int64_t m = 0; m < M; ++m) y[m * N + n] = sums[m];
-      }
     }
-   }
   });
 }
 #else
