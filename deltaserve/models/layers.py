@@ -24,7 +24,8 @@ from deltaserve.ops import fused
 GEMV_ROWS = 16
 Q8_BLOCK = 32  # weights per scale in a Q8_0 row
 # Q8_0 weights multiply activations rounded per 32 to Q8_0, as llama.cpp does on these files (its speed and its
-# rounding; ops/csrc/int8q8.h), where this CPU has the instructions. False: float32 activations (exact weights).
+# rounding; ops/csrc/int8q8.h, int8legacy_avx2.h), where the build has AVX-512 VNNI or AVX2. False: float32
+# activations (exact weights).
 Q8_INT8_ACTIVATIONS = True
 # bfloat16 weights multiply activations rounded to bfloat16 (vdpbf16ps), as llama.cpp and transformers do beside
 # them, where this CPU has AVX512_BF16 (ops/csrc/bf16.h). False: float32 activations (exact weights), slower.

@@ -95,9 +95,10 @@ def parameter(data: torch.Tensor, packing: Packing) -> nn.Parameter:
 
 @functools.cache
 def int8_types() -> frozenset:
-    """The types with integer kernels in this machine's build: INT8_TYPES, and where vpdpbusd takes their codes
-    (AVX-512 VNNI) IQ4_XS and the types of 32-weight blocks Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (rows beside others'),
-    which multiply activations rounded per 32 (llama.cpp's Q8_0) where the rest take them per 256 (Q8_K)."""
+    """The types with integer kernels in this machine's build: INT8_TYPES; where vpdpbusd takes its codes (AVX-512
+    VNNI) IQ4_XS; with AVX2 or AVX-512 VNNI the types of 32-weight blocks Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (rows
+    beside others'), which multiply activations rounded per 32 (llama.cpp's Q8_0) where the rest take them per 256
+    (Q8_K)."""
     if not fused.available():
         return INT8_TYPES
     return frozenset(Q(t) for t in fused.extension().int8_types())

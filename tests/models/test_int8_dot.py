@@ -96,7 +96,7 @@ def test_decode_threads_split_mixed_rows_by_bytes(first, threads, panels):
     computed once, by the thread whose run holds its panel's first row. Q4_0 rows (144 bytes per 256, activations
     rounded per 32) before the Q4_K ones split where the rows do."""
     if first not in packed.int8_types():
-        pytest.skip(f"{first.name} has no integer kernel in this build (AVX-512 VNNI)")
+        pytest.skip(f"{first.name} has no integer kernel in this build (AVX-512 VNNI or AVX2)")
     segments = [(first, 900), (Q.Q4_K, 700)]
     w, ref = packed_matrix(segments, 256, seed=13, panels=panels)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(threads))
@@ -116,7 +116,7 @@ def test_decode_threads_split_mixed_rows_by_bytes(first, threads, panels):
 
 
 @pytest.mark.skipif(not (fused.available() and fused.extension().q8_int8()),
-                    reason="this CPU has no AVX-512 VNNI (the Q8_0 integer kernels)")
+                    reason="this build has no Q8_0 integer kernels (AVX-512 VNNI or AVX2)")
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
 @pytest.mark.parametrize("segments, K, panels", [
     ([(Q.Q8_0, 21), (Q.Q4_K, 37), (Q.Q6_K, 5), (Q.Q8_0, 3), (Q.Q5_K, 16)], 512, False),
@@ -140,7 +140,7 @@ def test_q8_0_rows_beside_k_quants(rows, segments, K, panels, prefill_path):
 
 
 @pytest.mark.skipif(not (fused.available() and fused.extension().q8_int8()),
-                    reason="this CPU has no AVX-512 VNNI (the Q8_0 integer kernels)")
+                    reason="this build has no Q8_0 integer kernels (AVX-512 VNNI or AVX2)")
 def test_a_short_tile_of_32_weight_blocks_ends_its_group(prefill_path):
     """Q8_0 rows 0..20 (a tile of 16, one of 5), K-quant rows 21..31, Q8_0 rows from 32: the third Q8_0 tile starts
     16 rows after the second, which is short; grouped with it, the second tile's unused columns would overwrite the
@@ -213,11 +213,17 @@ def test_bad_calls_are_named():
 
 
 def test_avx2_build_of_the_kernels():
-    """On an AVX-512 machine the AVX2 paths (ymm, vpmaddwd) are built for x86-64-v3 and run the kernel tests
-    above. (Not the whole models against llama.cpp: these tiny random models amplify summation order, and the
-    AVX2 build's qwen35 run parts from llama.cpp's greedy text at token 16 with a top-2 margin of 6.6e-2 std,
-    past the bound that the AVX-512 build, llama.cpp's own arithmetic here, meets.)"""
-    run_in_build(__file__, "x86-64-v3", "not avx2 and not llama_cpp")
+    """On an AVX-512 machine the AVX2 paths (ymm, vpmaddwd; the 32-weight blocks by int8legacy_avx2.h) are built for
+    x86-64-v3 and run the kernel tests above. (Not the whole models against llama.cpp: these tiny random models
+    amplify summation order, and the AVX2 build's qwen35 run parts from llama.cpp's greedy text at token 16 with a
+    top-2 margin of 6.6e-2 std, past the bound that the AVX-512 build, llama.cpp's own arithmetic here, meets.)"""
+    run_in_build(__file__, "x86-64-v3", "not build and not llama_cpp")
+
+
+def test_build_without_vnni():
+    """Skylake-SP's AVX-512 (BW, no VNNI): K-quant and Q4_0 panels decoded through vpmaddubsw + vpmaddwd, the other
+    rows of 32-weight blocks and every prefill through the rows' kernels (int8legacy_avx2.h): the kernel tests."""
+    run_in_build(__file__, "skylake-avx512", "not build and not llama_cpp")
 
 
 def test_build_without_vbmi():

@@ -83,7 +83,7 @@ def q8_0_rounded(x: torch.Tensor) -> torch.Tensor:
 
 
 int8_kernels = pytest.mark.skipif(not (fused.available() and fused.extension().q8_int8()),
-                                  reason="this CPU has no AVX-512 VNNI (the Q8_0 integer kernels)")
+                                  reason="this build has no Q8_0 integer kernels (AVX-512 VNNI or AVX2)")
 
 
 # decode: a row at a time for up to 8 activation rows (K = 96: a pair of blocks and one alone); above, tiles of
@@ -193,6 +193,14 @@ def test_float16_kernel_in_other_builds(march):
     """The AVX2 decode GEMV (8 rows a block, F16C conversions) and the portable one (16 lanes) built for x86-64-v3 and
     -v2 (DELTASERVE_MARCH) pass the test above: the float64 product, and the same bits whatever rows come together."""
     run_in_build(__file__, march, "float16_kernel_rows")
+
+
+@pytest.mark.skipif(not fused.available(), reason="the C++ kernels are not built here")
+@pytest.mark.parametrize("march", ["x86-64-v3", "skylake-avx512"])
+def test_q8_0_int8_kernels_in_builds_without_vnni(march):
+    """The Q8_0 integer kernels of CPUs without AVX-512 VNNI (int8legacy_avx2.h: AVX2, and Skylake-SP's AVX-512)
+    pass the kernel tests above: the float64 product with the activations rounded as llama.cpp rounds them."""
+    run_in_build(__file__, march, "int8_kernels_match or int8_kernel_calls")
 
 
 def _f16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

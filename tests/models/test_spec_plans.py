@@ -153,7 +153,7 @@ def test_chained_drafts_through_q8_0_copies_are_the_modules_on_those_copies(monk
     a 20-token prompt pass included, are those of the modules holding the same copies (ggml's rounding, checked
     against gguf-py in tests/loader), bit for bit, and not those of the float weights."""
     if not q8_int8(torch.empty(0, Q8_BLOCK)):
-        pytest.skip("this CPU has no AVX-512 VNNI: the plan keeps the float weights (DRAFT_Q8 needs the int8 kernels)")
+        pytest.skip("this build has no Q8_0 integer kernels (AVX-512 VNNI or AVX2): the plan keeps the float weights")
     model = QwenModel.from_checkpoint(open_checkpoint(DEFAULT_MODEL))
     ids = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(5))
 

@@ -73,10 +73,16 @@ constexpr bool kIQ4Int8 = false;
 #endif
 
 // Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (beside others: a MoE Q4_K_M file's attention inputs) take int8legacy.h's
-// kernels, built with VNNI
+// kernels, built with VNNI, or int8legacy_avx2.h's
+#if defined(__AVX2__) || (defined(__AVX512VNNI__) && defined(__AVX512BW__))
+constexpr bool kBlock32Int8 = true;
+#else
+constexpr bool kBlock32Int8 = false;
+#endif
+
 inline bool int8_type(int64_t type) {
-  return type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K ||
-         (kIQ4Int8 && (type == IQ4_XS || type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1));
+  return type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || (kIQ4Int8 && type == IQ4_XS) ||
+         (kBlock32Int8 && (type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1));
 }
 
 inline float half(const uint8_t* p) {

@@ -184,20 +184,21 @@ inline std::string int8_isa() {
   return std::string(amx::enabled() ? "AMX tiles (tdpbsud) for K-quant and Q8_0 prefill, " : "") +
          "AVX-512 VNNI: vpdpbusd on 16-row panels, decode straight from the row panels held at load";
 #elif defined(__AVX512BW__)
-  return "AVX-512 BW: decode from 16-row panels, vpmaddubsw + vpmaddwd";
+  return "AVX-512 BW: decode from 16-row panels, vpmaddubsw + vpmaddwd; 32-weight blocks: vpsignb + vpmaddubsw";
 #elif defined(__AVXVNNI__)
-  return "AVX2 + AVX-VNNI: vpmaddubsw + vpdpwssd";
+  return "AVX2 + AVX-VNNI: vpmaddubsw + vpdpwssd; 32-weight blocks: vpsignb + vpdpbusd";
 #elif defined(__AVX2__)
-  return "AVX2: vpmaddubsw + vpmaddwd";
+  return "AVX2: vpmaddubsw + vpmaddwd; 32-weight blocks: vpsignb + vpmaddubsw";
 #else
   return "portable C++";
 #endif
 }
 
 // y [M, N] = x [M, K] (float32, rounded here to Q8_K for K-quant / IQ4_XS rows, to Q8_0 for rows of 32-weight blocks)
-// @ W^T, W packed blocks (segment table as for linear_packed). Prefill on AVX-512 VNNI: the panels above. Otherwise threads split the output columns into
-// tiles of weight rows (one for decode, opened into L1 and used at once; 16 above, opened into a per-thread
-// buffer that stays in L2) multiplied by every group of rows of x.
+// @ W^T, W packed blocks (segment table as for linear_packed). Prefill on AVX-512 VNNI: the panels above; decode on
+// AVX-512 BW: panel_gemv.h. Otherwise threads split the output columns into tiles of weight rows (one for decode,
+// opened into L1 and used at once; 16 above, opened into a per-thread buffer that stays in L2) multiplied by every
+// group of rows of x; rows of 32-weight blocks there take int8legacy_avx2.h's kernels.
 inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor table, torch::Tensor y) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be float32 [M, K] contiguous");
   TORCH_CHECK(bytes.dtype() == torch::kUInt8 && bytes.is_contiguous(), "packed bytes must be contiguous uint8");
@@ -228,21 +229,43 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
   const int64_t tile = M <= kRows ? 1 : 16;  // one row: opened into L1 and used at once (decode)
   at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t lo, int64_t hi) {
     std::vector<WBlock> w(tile * nb);
-    for (int64_t t = lo; t < hi; ++t) {
-      const int64_t n0 = t * tile, rows = std::min(tile, N - n0);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t s = seg.find(n0 + r);
-        open_row(seg.type(s), native_row(seg, base, s, n0 + r, K, row_scratch(K)), nb, w.data() + r * nb);
+#if defined(DELTASERVE_BLOCK32_AVX2)
+    q8::Rows32 opened32;
+#endif
+    // rows n0 .. n1 of segment s
+    auto run_rows = [&](int64_t s, int64_t n0, int64_t n1) {
+      const int64_t type = seg.type(s);
+      if (q8::block32(type) && M <= kRows) {  // decode: a row's blocks straight from memory
+        for (int64_t n = n0; n < n1; ++n) {
+          float sums[q8::kQ8Rows];
+          q8::rows32(type, M, native_row(seg, base, s, n, K, row_scratch(K)), x8, sums);
+          for (int64_t m = 0; m < M; ++m) yp[m * N + n] = sums[m];
+        }
+        return;
       }
+#if defined(DELTASERVE_BLOCK32_AVX2)
+      if (q8::block32(type)) {
+        opened32.reset(type, n1 - n0, K);
+        for (int64_t n = n0; n < n1; ++n) opened32.open(n - n0, native_row(seg, base, s, n, K, row_scratch(K)));
+        return opened32.run(x8, yp + n0, N);
+      }
+#endif
+      for (int64_t n = n0; n < n1; ++n) open_row(type, native_row(seg, base, s, n, K, row_scratch(K)), nb, w.data() + (n - n0) * nb);
       for (int64_t g = 0; g < M; g += kRows) {
         const int64_t mb = std::min<int64_t>(kRows, M - g);
-        for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t n = n0; n < n1; ++n) {
           float sums[kRows];
-          dot_group(mb, w.data() + r * nb, xq + g * nb, nb, sums);
-          for (int64_t m = 0; m < mb; ++m) yp[(g + m) * N + n0 + r] = sums[m];
+          dot_group(mb, w.data() + (n - n0) * nb, xq + g * nb, nb, sums);
+          for (int64_t m = 0; m < mb; ++m) yp[(g + m) * N + n] = sums[m];
         }
       }
-    }
+    };
+    for (int64_t t = lo; t < hi; ++t)
+      for (int64_t n = t * tile, end = std::min(n + tile, N); n < end;) {  // the tile's rows, a segment's at a time
+        const int64_t s = seg.find(n), stop = std::min(end, seg.end(s));
+        run_rows(s, n, stop);
+        n = stop;
+      }
   });
 }
 

@@ -234,10 +234,10 @@ inline void run_amx(const Tile32* const* t, int nt, const Q8Acts& a, float* y, i
   for (int j = 0; j < nt; ++j) t[j]->add_offsets(a, y + 16 * j, ldy, j + 1 < nt ? 16 : last);
 }
 #endif
-#else
-// (kq::int8_type takes these types only where the kernels above are built)
+#elif !defined(__AVX2__)
+// (kq::int8_type takes these types only where the kernels above or int8legacy_avx2.h's are built)
 inline void rows32(int64_t, int64_t, const uint8_t*, const Q8Acts&, float*) {
-  TORCH_CHECK(false, "integer kernels of 32-weight blocks need AVX-512 VNNI");
+  TORCH_CHECK(false, "integer kernels of 32-weight blocks need AVX-512 VNNI or AVX2");
 }
 #endif
 

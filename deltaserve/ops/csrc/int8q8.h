@@ -25,6 +25,8 @@
 #include "amx.h"
 #include "gemv.h"
 #include "int8dot.h"
+#include "int8legacy_avx2.h"
+#include "q8acts.h"
 #include "shares.h"
 
 namespace deltaserve {
@@ -32,63 +34,6 @@ namespace q8 {
 
 constexpr int64_t kQ8Rows = 8;  // activation rows per pass in decode
 
-// x [M, K] rounded to Q8_0: q [M, K] (and zero rows to a multiple of 16); per block of 32: d (float16 value as
-// float), start = -128 sum(q); per 4 (a vpdpbusd lane): starts = -128 sum(q), so that each lane's sum is its own exact
-// dot (offsets summed in other lanes would cancel only after rounding); dl: each block's d 8 times (its lanes in a
-// vpdpbusd of 64 weights)
-// (the divisions as llama.cpp's C makes them: -ffast-math would take x * (1 / 127) for x / 127, a different float)
-#pragma GCC push_options
-#pragma GCC optimize("no-fast-math")
-struct Q8Acts {
-  std::vector<int8_t> q;
-  std::vector<float> d, dl;
-  std::vector<int32_t> start, starts;
-  int64_t M = 0, K = 0, nb = 0;
-
-  void quantize(const float* x, int64_t rows, int64_t cols) {
-    M = rows, K = cols, nb = cols / 32;
-    const int64_t padded = (M + 15) / 16 * 16;  // whole tiles of 16 rows for tdpbsud (q8_amx_rows); the rest zero
-    q.resize(padded * K), d.resize(M * nb), dl.resize(M * nb * 8), start.resize(M * nb), starts.resize(M * nb * 8);
-    std::fill(q.begin() + M * K, q.end(), int8_t{0});
-    at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
-      for (int64_t m = lo; m < hi; ++m)
-        for (int64_t k = 0; k < nb; ++k) block(x + m * K + 32 * k, m * nb + k, q.data() + m * K + 32 * k);
-    });
-  }
-
-  void block(const float* xb, int64_t at, int8_t* qb) {
-    int32_t four[8];
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-    const float dk = amax / 127.f, id = dk != 0.f ? 1.f / dk : 0.f;
-    const __m512 is = _mm512_set1_ps(id);  // products rounded to nearest, ties to even (std::nearbyint's)
-    const __m128i q0 = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, is)));
-    const __m128i q1 = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, is)));
-    const __m256i q32 = _mm256_set_m128i(q1, q0);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), q32);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(four), _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), q32));
-#else
-    float amax = 0.f;
-    for (int e = 0; e < 32; ++e) amax = std::max(amax, std::fabs(xb[e]));
-    const float dk = amax / 127.f, id = dk != 0.f ? 1.f / dk : 0.f;
-    for (int l = 0; l < 8; ++l) {
-      four[l] = 0;
-      for (int e = 4 * l; e < 4 * l + 4; ++e) four[l] += qb[e] = static_cast<int8_t>(std::nearbyint(xb[e] * id));
-    }
-#endif
-    int sum = 0;
-    for (int l = 0; l < 8; ++l) {
-      starts[at * 8 + l] = -128 * four[l];
-      sum += four[l];
-    }
-    const float dh = static_cast<float>(c10::Half(dk));  // llama.cpp keeps the activations' d as float16
-    d[at] = dh;
-    start[at] = -128 * sum;
-    for (int l = 0; l < 8; ++l) dl[at * 8 + l] = dh;
-  }
-};
-#pragma GCC pop_options
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kQ8Int8 = true;
@@ -323,14 +268,12 @@ inline void q8_amx_rows(const Q8Tile* const* w, int nt, const Q8Acts& a, int64_t
 }
 #endif
 #else
-constexpr bool kQ8Int8 = false;
-// (kq::int8_type takes Q8_0 rows only where the kernels above are built)
-inline void q8_block_rows(int64_t, const uint8_t*, const Q8Acts&, float*) { TORCH_CHECK(false, "Q8_0 rows need AVX-512 VNNI"); }
+constexpr bool kQ8Int8 = kBlock32Avx2;  // int8legacy_avx2.h's kernels, or none (float activations)
 #endif
 
 // y [M, N] = x [M, K] (rounded per 32 to Q8_0) @ W^T, W int8 [N, K] with float16 scales [N, K / 32].
 inline void linear_q8_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor y) {
-  TORCH_CHECK(kQ8Int8, "linear_q8_int8 needs AVX-512 VNNI");
+  TORCH_CHECK(kQ8Int8, "linear_q8_int8 needs AVX-512 VNNI or AVX2");
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be float32 [M, K] contiguous");
   TORCH_CHECK(w.dtype() == torch::kInt8 && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1), "w must be int8 [N, K]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -383,6 +326,39 @@ inline void linear_q8_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale
       const int64_t n0 = 16 * t, rows = std::min<int64_t>(16, N - n0);
       tile.open(wp + n0 * K, sp + n0 * nb, rows, K);
       for (int64_t m0 = 0; m0 < M; m0 += kQ8Rows) q8_tile_rows(std::min(kQ8Rows, M - m0), tile, a, m0, yp + n0, N, rows);
+    }
+  });
+#elif defined(__AVX2__)
+  static thread_local Q8Acts decode_acts;
+  Q8Acts prefill_acts;
+  Q8Acts& a = M <= kRows32 ? decode_acts : prefill_acts;
+  a.quantize(x.data_ptr<float>(), M, K);
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const at::Half* sp = scale.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  const int64_t nb = K / 32;
+  if (M <= kRows32) {  // decode: a row at a time, from memory once
+    at::parallel_for(0, N, std::max<int64_t>(1, (64 << 10) / K), [&](int64_t lo, int64_t hi) {
+      const ShareClock clock(hi - lo);
+      for (int64_t n = lo; n < hi; ++n) {
+        float sums[kRows32];
+        dot_rows32<false>(M, a, 0, [&](int64_t k) {
+          const int8_t* codes = wp + n * K + 32 * k;
+          _mm_prefetch(reinterpret_cast<const char*>(codes) + kGemvPrefetch, _MM_HINT_T0);
+          return Block32{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)), static_cast<float>(sp[n * nb + k]), 0.f};
+        }, sums);
+        for (int64_t m = 0; m < M; ++m) yp[m * N + n] = sums[m];
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t lo, int64_t hi) {  // prefill: 16 weight rows at a time
+    Rows32 tile;
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t n0 = 16 * t, rows = std::min<int64_t>(16, N - n0);
+      tile.reset(kq::Q8_0, rows, K);
+      for (int64_t r = 0; r < rows; ++r) tile.open_q8(r, wp + (n0 + r) * K, sp + (n0 + r) * nb);
+      tile.run(a, yp + n0, N);
     }
   });
 #endif
