@@ -28,9 +28,7 @@ TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.MXFP4, Q.
                    Q.Q6_K, Q.IQ4_XS})  # those the float kernels read (kquants.h)
 # A matrix all of Q8_0 is held as int8 + scales instead (layers.quantize_q8), whose integer kernels beat these; Q8_0
 # rows are packed where a fused projection mixes them with other types (a MoE Q4_K_M file's attention inputs).
-INT8_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})  # with integer dot-product kernels in every build (int8dot.h)
-# the integer kernels read these 16 rows to a panel (ops/csrc/panels.h)
-PANEL_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.Q4_0})
+INT8_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})  # integer kernels in every build (int8dot.h)
 # Matrices all of int8_types() multiply activations rounded to int8 (per 256 for K-quants and IQ4_XS, llama.cpp's Q8_K;
 # per 32 for the types of 32-weight blocks, its Q8_0), as llama.cpp does on these files: its speed, and its rounding.
 # False: float32 activations times the exact weights (slower).
@@ -56,7 +54,7 @@ class Packing:
     def __post_init__(self):
         rows, offset, table = 0, 0, []
         for qtype, n in self.segments:
-            paneled = self.panels and qtype in int8_types() & PANEL_TYPES
+            paneled = self.panels and qtype in panel_types()
             table.append((int(qtype), rows, rows + n, offset, PANEL_ROWS if paneled else 0))
             rows, offset = rows + n, offset + n * row_bytes(qtype, self.shape[-1])
         object.__setattr__(self, "table", torch.tensor(table, dtype=torch.int64).view(-1, 5))
@@ -95,13 +93,21 @@ def parameter(data: torch.Tensor, packing: Packing) -> nn.Parameter:
 
 @functools.cache
 def int8_types() -> frozenset:
-    """The types with integer kernels in this machine's build: INT8_TYPES; where vpdpbusd takes its codes (AVX-512
-    VNNI) IQ4_XS; with AVX2 or AVX-512 VNNI the types of 32-weight blocks Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (rows
-    beside others'), which multiply activations rounded per 32 (llama.cpp's Q8_0) where the rest take them per 256
-    (Q8_K)."""
+    """The types with integer kernels in this machine's build: INT8_TYPES; with AVX2 or AVX-512 VNNI the types of
+    32-weight blocks Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (rows beside others'), which multiply activations rounded per 32
+    (llama.cpp's Q8_0) where the rest take them per 256 (Q8_K)."""
     if not fused.available():
         return INT8_TYPES
     return frozenset(Q(t) for t in fused.extension().int8_types())
+
+
+@functools.cache
+def panel_types() -> frozenset:
+    """The types whose rows this build's integer kernels read 16 to a panel (ops/csrc/panels.h): on AVX-512 the
+    K-quants and Q4_0, and IQ4_XS where AVX-512 VNNI is built; none elsewhere."""
+    if not fused.available():
+        return frozenset()
+    return frozenset(Q(t) for t in fused.extension().int8_panel_types())
 
 
 def panels_here() -> bool:

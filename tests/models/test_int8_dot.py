@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not fused.available(), reason="the C++ kernels d
 
 # types of 32-weight blocks round activations per 32: test_32_weight_blocks, test_q8_0_rows_beside_k_quants
 BLOCK32 = sorted(packed.int8_types() & {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0})
-INT8 = sorted(packed.int8_types() - set(BLOCK32))  # the K-quants, and IQ4_XS where the build has AVX-512 VNNI
+INT8 = sorted(packed.int8_types() - set(BLOCK32))  # the K-quants and IQ4_XS
 
 
 def q8k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +162,7 @@ def test_a_short_tile_of_32_weight_blocks_ends_its_group(prefill_path):
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
 @pytest.mark.parametrize("qtype, panels",  # (of these types only Q4_0 rows go into panels)
-                         [(t, False) for t in BLOCK32] + [(t, True) for t in BLOCK32 if t in packed.PANEL_TYPES],
+                         [(t, False) for t in BLOCK32] + [(t, True) for t in BLOCK32 if t in packed.panel_types()],
                          ids=lambda v: v.name if isinstance(v, Q) else ("panels" if v else "file-rows"))
 @pytest.mark.parametrize("out_rows", [37, 83], ids=lambda n: f"out{n}")  # tiles of 16: 2 + 5 rows; 5 + 3 rows
 def test_32_weight_blocks(qtype, rows, out_rows, panels, prefill_path):

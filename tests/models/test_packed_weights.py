@@ -34,8 +34,8 @@ def packed_matrix(segments, K, seed=0, x_index=None, panels=False):
     (the test is skipped where the kernels read none)."""
     if panels and not packed.panels_here():
         pytest.skip("this build's integer kernels read rows as the file holds them (no AVX-512)")
-    if panels and not {qtype for qtype, _ in segments} <= packed.int8_types():
-        pytest.skip("this build has no integer kernels for some of these types (IQ4_XS needs AVX-512 VNNI): no panels")
+    if panels and not {qtype for qtype, _ in segments} & packed.panel_types():
+        pytest.skip("none of these types goes into panels in this build (IQ4_XS needs AVX-512 VNNI)")
     rng = np.random.default_rng(seed)
     raws, values = [], []
     for qtype, n in segments:
@@ -73,8 +73,8 @@ PANELS = [pytest.param(False, id="file-rows"), pytest.param(True, id="panels")]
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_rows_are_the_files_values(qtype, panels):
     """Rows as the file holds them, or (K-quants) 16 to a panel, the last 37 % 16 as they were."""
-    if panels and qtype not in packed.int8_types() & packed.PANEL_TYPES:
-        pytest.skip("only rows of K-quants, IQ4_XS and Q4_0 with integer kernels go into panels")
+    if panels and qtype not in packed.panel_types():
+        pytest.skip("only the K-quants, Q4_0 and (AVX-512 VNNI) IQ4_XS go into panels")
     w, ref = packed_matrix([(qtype, 37)], row_width(qtype), seed=int(qtype), panels=panels)
     assert torch.equal(dequantize(w, torch.float32).double(), ref)  # the C++ decoders, bit for bit
     ids = torch.tensor([[36, 0, 5], [5, 17, 36]])
@@ -99,7 +99,7 @@ def test_mxfp4_every_exponent():
 def test_linear_matches_float64(qtype, out_rows, rows, monkeypatch):
     monkeypatch.setattr(packed, "_DEQUANT_BYTES", 1)
     K = row_width(qtype)
-    w, ref = packed_matrix([(qtype, out_rows)], K, seed=rows, panels=qtype in packed.int8_types() & packed.PANEL_TYPES and packed.panels_here())
+    w, ref = packed_matrix([(qtype, out_rows)], K, seed=rows, panels=qtype in packed.panel_types())
     x = torch.randn(rows, K)
     bias = torch.randn(out_rows)
     y = linear(x.view(1, rows, K), w, bias)

@@ -65,12 +65,15 @@ constexpr int kRows = 8;  // activation rows per pass over a weight row: int32 +
 constexpr int kRows = 4;  // 16 ymm registers
 #endif
 
-// IQ4_XS's codes (its levels + 128, up to 241) pass int16 in vpmaddubsw's pairs: only vpdpbusd builds take them
+// IQ4_XS's codes: where vpdpbusd runs (AVX-512 VNNI: its panels), its levels + 128 (up to 241) with an offset of
+// 128 x its scale; elsewhere the levels themselves, signed (|level| <= 127), which dot_rows multiplies as llama.cpp
+// does on AVX2 (|code| unsigned, the activations with the code's sign): + 128 would pass int16 in vpmaddubsw's pairs.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr bool kIQ4Int8 = true;
+constexpr bool kIQ4Signed = false;
 #else
-constexpr bool kIQ4Int8 = false;
+constexpr bool kIQ4Signed = true;
 #endif
+inline bool signed_codes(int64_t type) { return kIQ4Signed && type == IQ4_XS; }
 
 // Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (beside others: a MoE Q4_K_M file's attention inputs) take int8legacy.h's
 // kernels, built with VNNI, or int8legacy_avx2.h's
@@ -81,7 +84,7 @@ constexpr bool kBlock32Int8 = false;
 #endif
 
 inline bool int8_type(int64_t type) {
-  return type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || (kIQ4Int8 && type == IQ4_XS) ||
+  return type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS ||
          (kBlock32Int8 && (type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1));
 }
 
@@ -243,14 +246,24 @@ inline void open_q6_k(const uint8_t* b, WBlock& w) {
 // IQ4_XS: d f16 | scales_h u16 | scales_l[4] | qs[128]; codes = level + 128, scale = 6-bit scale - 32 per 32
 // (twice per 16), offset 128 scale
 inline void open_iq4_xs(const uint8_t* b, WBlock& w) {
+  constexpr int bias = kIQ4Signed ? 0 : 128;  // (kIQ4Signed: the levels' bytes)
   for (int ib = 0; ib < 8; ++ib) {
     const int sc = iq4xs_scale(b, ib);
     w.sc[2 * ib] = w.sc[2 * ib + 1] = static_cast<int16_t>(sc);
-    w.off[2 * ib] = w.off[2 * ib + 1] = static_cast<int16_t>(128 * sc);
+    w.off[2 * ib] = w.off[2 * ib + 1] = static_cast<int16_t>(bias * sc);
+#if defined(__AVX2__)
+    // the 32 nibbles (low ones elements 0..15, high ones 16..31) looked up in the levels (vpshufb per 128-bit half)
+    const __m256i levels = _mm256_add_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Levels))),
+                                           _mm256_set1_epi8(static_cast<char>(bias)));
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8 + 16 * ib));
+    const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(0xF));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(w.q + 32 * ib), _mm256_shuffle_epi8(levels, nibbles));
+#else
     for (int j = 0; j < 16; ++j) {
-      w.q[32 * ib + j] = static_cast<uint8_t>(kIQ4Levels[b[8 + 16 * ib + j] & 0xF] + 128);
-      w.q[32 * ib + 16 + j] = static_cast<uint8_t>(kIQ4Levels[b[8 + 16 * ib + j] >> 4] + 128);
+      w.q[32 * ib + j] = static_cast<uint8_t>(kIQ4Levels[b[8 + 16 * ib + j] & 0xF] + bias);
+      w.q[32 * ib + 16 + j] = static_cast<uint8_t>(kIQ4Levels[b[8 + 16 * ib + j] >> 4] + bias);
     }
+#endif
   }
   w.d = w.o = half(b);
 }
@@ -329,8 +342,9 @@ inline void open_row(int64_t type, const uint8_t* row, int64_t nb, WBlock* w) {
 
 // -- the dot products ------------------------------------------------------------------------------
 
-// out[m] = (weight row w) . (activation row m of x), MB rows, x laid out [nb][MB]
-template <int MB>
+// out[m] = (weight row w) . (activation row m of x), MB rows, x laid out [nb][MB]. SIGNED: codes are signed bytes
+// (IQ4_XS's levels where kIQ4Signed): |code| goes into vpmaddubsw unsigned, the activations take the code's sign.
+template <int MB, bool SIGNED>
 inline void dot_rows(const WBlock* w, const XBlock* x, int64_t nb, float* out) {
 #if defined(__AVX512BW__)
   // the scale of each int16 pair sum of 64-element chunk c: scale 4c + lane / 8
@@ -351,9 +365,13 @@ inline void dot_rows(const WBlock* w, const XBlock* x, int64_t nb, float* out) {
     for (int c = 0; c < 4; ++c) {  // 64 elements: 32 int16 pair sums, scale 4c + (lane / 8)
       const __m512i codes = _mm512_load_si512(wb.q + 64 * c);
       const __m512i sv = _mm512_permutexvar_epi16(_mm512_load_si512(kLaneScale[c]), s16);
+      const __m512i mag = SIGNED ? _mm512_abs_epi8(codes) : codes;
+      const __mmask64 negative = SIGNED ? _mm512_movepi8_mask(codes) : 0;
 #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m) {
-        const __m512i p = _mm512_maddubs_epi16(codes, _mm512_load_si512(xb[m].q + 64 * c));
+        __m512i xv = _mm512_load_si512(xb[m].q + 64 * c);
+        if (SIGNED) xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
+        const __m512i p = _mm512_maddubs_epi16(mag, xv);
 #if defined(__AVX512VNNI__)
         ai[m] = _mm512_dpwssd_epi32(ai[m], p, sv);
 #else
@@ -381,8 +399,11 @@ inline void dot_rows(const WBlock* w, const XBlock* x, int64_t nb, float* out) {
     for (int c = 0; c < 8; ++c) {  // 32 elements: 16 int16 pair sums, scales 2c (lanes 0..7), 2c + 1
       const __m256i codes = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb.q + 32 * c));
       const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(wb.sc[2 * c + 1]), _mm_set1_epi16(wb.sc[2 * c]));
+      const __m256i mag = SIGNED ? _mm256_sign_epi8(codes, codes) : codes;
       for (int m = 0; m < MB; ++m) {
-        const __m256i p = _mm256_maddubs_epi16(codes, _mm256_load_si256(reinterpret_cast<const __m256i*>(xb[m].q + 32 * c)));
+        __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb[m].q + 32 * c));
+        if (SIGNED) xv = _mm256_sign_epi8(xv, codes);
+        const __m256i p = _mm256_maddubs_epi16(mag, xv);
 #if defined(__AVXVNNI__)
         ai[m] = _mm256_dpwssd_avx_epi32(ai[m], p, sv);
 #else
@@ -410,7 +431,7 @@ inline void dot_rows(const WBlock* w, const XBlock* x, int64_t nb, float* out) {
       int32_t s = 0, o = 0;
       for (int i = 0; i < 16; ++i) {
         int32_t g = 0;
-        for (int e = 16 * i; e < 16 * i + 16; ++e) g += w[b].q[e] * xb.q[e];
+        for (int e = 16 * i; e < 16 * i + 16; ++e) g += (SIGNED ? static_cast<int8_t>(w[b].q[e]) : w[b].q[e]) * xb.q[e];
         s += w[b].sc[i] * g;
         o += w[b].off[i] * xb.bs[i];
       }
@@ -419,21 +440,28 @@ inline void dot_rows(const WBlock* w, const XBlock* x, int64_t nb, float* out) {
 #endif
 }
 
+template <bool SIGNED>
 inline void dot_group(int64_t mb, const WBlock* w, const XBlock* x, int64_t nb, float* out) {
   switch (mb) {
-    case 1: return dot_rows<1>(w, x, nb, out);
-    case 2: return dot_rows<2>(w, x, nb, out);
-    case 3: return dot_rows<3>(w, x, nb, out);
+    case 1: return dot_rows<1, SIGNED>(w, x, nb, out);
+    case 2: return dot_rows<2, SIGNED>(w, x, nb, out);
+    case 3: return dot_rows<3, SIGNED>(w, x, nb, out);
 #if defined(__AVX512BW__)
-    case 4: return dot_rows<4>(w, x, nb, out);
-    case 5: return dot_rows<5>(w, x, nb, out);
-    case 6: return dot_rows<6>(w, x, nb, out);
-    case 7: return dot_rows<7>(w, x, nb, out);
-    default: return dot_rows<8>(w, x, nb, out);
+    case 4: return dot_rows<4, SIGNED>(w, x, nb, out);
+    case 5: return dot_rows<5, SIGNED>(w, x, nb, out);
+    case 6: return dot_rows<6, SIGNED>(w, x, nb, out);
+    case 7: return dot_rows<7, SIGNED>(w, x, nb, out);
+    default: return dot_rows<8, SIGNED>(w, x, nb, out);
 #else
-    default: return dot_rows<4>(w, x, nb, out);
+    default: return dot_rows<4, SIGNED>(w, x, nb, out);
 #endif
   }
+}
+
+// out[m] = (rows of `type` opened into w) . activation rows m < mb of x
+inline void dot_group(int64_t type, int64_t mb, const WBlock* w, const XBlock* x, int64_t nb, float* out) {
+  if (signed_codes(type)) dot_group<true>(mb, w, x, nb, out);
+  else dot_group<false>(mb, w, x, nb, out);
 }
 
 }  // namespace kq

@@ -178,6 +178,29 @@ constexpr bool kPanelGemm = false;
 inline void gemm_panels(const Segments&, const uint8_t*, const XBlock*, const q8::Q8Acts&, int64_t, int64_t, float*) {}
 #endif
 
+// y[m][n0 .. n1) (N apart) for rows n0 .. n1 of segment s, of 32-weight blocks, and every activation row m of x8:
+// decode reads the rows' blocks straight from memory; prefill (AVX2, no AVX-512 VNNI) opens them into tiles
+inline void block32_rows(const Segments& seg, const uint8_t* base, int64_t s, int64_t n0, int64_t n1, int64_t K,
+                         const q8::Q8Acts& x8, float* y, int64_t N) {
+  const int64_t type = seg.type(s);
+  if (x8.M <= kRows) {
+    for (int64_t n = n0; n < n1; ++n) {
+      float sums[q8::kQ8Rows];
+      q8::rows32(type, x8.M, native_row(seg, base, s, n, K, row_scratch(K)), x8, sums);
+      for (int64_t m = 0; m < x8.M; ++m) y[m * N + n] = sums[m];
+    }
+    return;
+  }
+#if defined(DELTASERVE_BLOCK32_AVX2)
+  static thread_local q8::Rows32 opened;
+  opened.reset(type, n1 - n0, K);
+  for (int64_t n = n0; n < n1; ++n) opened.open(n - n0, native_row(seg, base, s, n, K, row_scratch(K)));
+  opened.run(x8, y + n0, N);
+#else
+  TORCH_CHECK(false, "block32_rows: prefill of 32-weight blocks here takes gemm_panels");
+#endif
+}
+
 // which instructions the integer kernels of this build use (the benchmark prints it)
 inline std::string int8_isa() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -229,42 +252,23 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
   const int64_t tile = M <= kRows ? 1 : 16;  // one row: opened into L1 and used at once (decode)
   at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t lo, int64_t hi) {
     std::vector<WBlock> w(tile * nb);
-#if defined(DELTASERVE_BLOCK32_AVX2)
-    q8::Rows32 opened32;
-#endif
-    // rows n0 .. n1 of segment s
-    auto run_rows = [&](int64_t s, int64_t n0, int64_t n1) {
-      const int64_t type = seg.type(s);
-      if (q8::block32(type) && M <= kRows) {  // decode: a row's blocks straight from memory
-        for (int64_t n = n0; n < n1; ++n) {
-          float sums[q8::kQ8Rows];
-          q8::rows32(type, M, native_row(seg, base, s, n, K, row_scratch(K)), x8, sums);
-          for (int64_t m = 0; m < M; ++m) yp[m * N + n] = sums[m];
-        }
-        return;
-      }
-#if defined(DELTASERVE_BLOCK32_AVX2)
-      if (q8::block32(type)) {
-        opened32.reset(type, n1 - n0, K);
-        for (int64_t n = n0; n < n1; ++n) opened32.open(n - n0, native_row(seg, base, s, n, K, row_scratch(K)));
-        return opened32.run(x8, yp + n0, N);
-      }
-#endif
-      for (int64_t n = n0; n < n1; ++n) open_row(type, native_row(seg, base, s, n, K, row_scratch(K)), nb, w.data() + (n - n0) * nb);
-      for (int64_t g = 0; g < M; g += kRows) {
-        const int64_t mb = std::min<int64_t>(kRows, M - g);
-        for (int64_t n = n0; n < n1; ++n) {
-          float sums[kRows];
-          dot_group(mb, w.data() + (n - n0) * nb, xq + g * nb, nb, sums);
-          for (int64_t m = 0; m < mb; ++m) yp[(g + m) * N + n] = sums[m];
-        }
-      }
-    };
     for (int64_t t = lo; t < hi; ++t)
-      for (int64_t n = t * tile, end = std::min(n + tile, N); n < end;) {  // the tile's rows, a segment's at a time
-        const int64_t s = seg.find(n), stop = std::min(end, seg.end(s));
-        run_rows(s, n, stop);
-        n = stop;
+      for (int64_t n0 = t * tile, end = std::min(n0 + tile, N), n1; n0 < end; n0 = n1) {  // a segment's rows at a time
+        const int64_t s = seg.find(n0), type = seg.type(s);
+        n1 = std::min(end, seg.end(s));
+        if (q8::block32(type)) {
+          block32_rows(seg, base, s, n0, n1, K, x8, yp, N);
+          continue;
+        }
+        for (int64_t n = n0; n < n1; ++n) open_row(type, native_row(seg, base, s, n, K, row_scratch(K)), nb, w.data() + (n - n0) * nb);
+        for (int64_t g = 0; g < M; g += kRows) {
+          const int64_t mb = std::min<int64_t>(kRows, M - g);
+          for (int64_t n = n0; n < n1; ++n) {
+            float sums[kRows];
+            dot_group(type, mb, w.data() + (n - n0) * nb, xq + g * nb, nb, sums);
+            for (int64_t m = 0; m < mb; ++m) yp[(g + m) * N + n] = sums[m];
+          }
+        }
       }
   });
 }

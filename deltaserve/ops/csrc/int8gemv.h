@@ -175,14 +175,14 @@ inline void rows_opened(const uint8_t* row, int64_t nb, const XBlock* x, float* 
   }
 }
 
-// a row of a type with no kernel of its own above (Q2_K, Q3_K): its blocks opened into a thread's buffer, then
-// int8dot.h's dot
+// a row of a type with no kernel of its own above (Q2_K, Q3_K; IQ4_XS's signed codes where kIQ4Signed): its blocks
+// opened into a thread's buffer, then int8dot.h's dot
 template <int MB, int64_t TYPE>
 inline void rows_blocks(const uint8_t* row, int64_t nb, const XBlock* x, float* out) {
   static thread_local std::vector<WBlock> w;
   if (w.size() < static_cast<size_t>(nb)) w.resize(nb);
   open_row(TYPE, row, nb, w.data());
-  dot_rows<MB>(w.data(), x, nb, out);
+  dot_rows<MB, TYPE == IQ4_XS && kIQ4Signed>(w.data(), x, nb, out);
 }
 
 using RowKernel = void (*)(const uint8_t*, int64_t, const XBlock*, float*);
@@ -193,7 +193,7 @@ inline RowKernel row_kernel_mb(int64_t type) {
     case Q4_K: return rows_k4<MB, false>;
     case Q5_K: return rows_k4<MB, true>;
     case Q6_K: return rows_q6k<MB>;
-    case IQ4_XS: return rows_opened<MB, IQ4_XS>;
+    case IQ4_XS: return kIQ4Signed ? rows_blocks<MB, IQ4_XS> : rows_opened<MB, IQ4_XS>;
     case Q2_K: return rows_blocks<MB, Q2_K>;
     case Q3_K: return rows_blocks<MB, Q3_K>;
   }

@@ -256,9 +256,14 @@ inline void decode_block(int64_t type, const uint8_t* b, float* y) {
   layout(type);  // throws, naming the type
 }
 
-// the types panels.h lays out 16 rows to a panel
+// the types panels.h lays out 16 rows to a panel (IQ4_XS where its panel kernels' vpdpbusd runs: AVX-512 VNNI)
 inline bool panel_type(int64_t type) {
-  return type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS || type == Q4_0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  constexpr bool iq4_xs = true;
+#else
+  constexpr bool iq4_xs = false;
+#endif
+  return type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || (iq4_xs && type == IQ4_XS) || type == Q4_0;
 }
 
 // The segment table of a packed matrix, checked once per call against its bytes.

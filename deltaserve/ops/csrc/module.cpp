@@ -62,6 +62,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             if (deltaserve::kq::int8_type(t)) out.push_back(t);
           return out;
         }, "the GGML types linear_int8 takes in this build");
+  m.def("int8_panel_types", [] {
+          std::vector<int64_t> out;
+          for (int64_t t : {2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23})
+            if (deltaserve::kq::kDirectGemv && deltaserve::kq::int8_type(t) && deltaserve::kq::panel_type(t)) out.push_back(t);
+          return out;
+        }, "the GGML types linear_int8 reads in row panels in this build (none: rows as the file holds them)");
   m.def("to_panels", &deltaserve::kq::to_panels, "a packed matrix's K-quant rows rearranged into panels, in place");
   m.def("probe_fma", &deltaserve::probe_fma, "float32 FMAs per second, all threads (iters, reps)");
   m.def("probe_int8", &deltaserve::probe_int8, "int8 products per second, all threads (iters, reps)");
