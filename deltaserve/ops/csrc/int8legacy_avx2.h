@@ -6,7 +6,8 @@
 // m dx sum(qx) per block), Q8_0's own. vpmaddubsw multiplies unsigned by signed bytes, so |c| goes in unsigned and
 // the activations take c's sign (vpsignb): a pair of products is at most 2 x 128 x 127, inside int16 (an offset code,
 // c + 128, would not be); vpmaddwd (or AVX-VNNI's vpdpbusd) sums 4 products into each of 8 int32 lanes, exactly. Per
-// block and activation row the lanes take d dx in float.
+// block and activation row the lanes take d dx in float. (The prefill's tiles hold the 4- and 5-bit types' codes
+// unsigned instead: kBias32.)
 //
 // Decode reads a row's blocks where they lie, up to 8 activation rows a pass. Prefill opens up to 16 weight rows into
 // tiles of 8 (Rows32), one int32 lane per row, so that the float scales apply once per 32 codes and 8 rows, and passes
@@ -141,6 +142,14 @@ inline void file_rows32(int64_t M, const uint8_t* row, const Q8Acts& a, float* o
     const uint8_t* b = row + kBytes32<TYPE> * k;
     _mm_prefetch(reinterpret_cast<const char*>(b) + kGemvPrefetch, _MM_HINT_T0);
     return open_block32<TYPE>(b);
+  }, out);
+}
+
+// out[m] = a Q8_0 matrix's row (int8 codes w [K], float16 scales ws [K / 32]) . activation row m0 + m of a (m < mb)
+inline void q8_rows(int64_t mb, const int8_t* w, const at::Half* ws, const Q8Acts& a, int64_t m0, float* out) {
+  dot_rows32<false>(mb, a, m0, [&](int64_t k) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + 32 * k) + kGemvPrefetch, _MM_HINT_T0);
+    return Block32{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * k)), static_cast<float>(ws[k]), 0.f};
   }, out);
 }
 

@@ -280,7 +280,7 @@ inline void linear_q8_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale
   TORCH_CHECK(K % 32 == 0, "Q8_0 rows must be whole blocks of 32, got ", K);
   TORCH_CHECK(scale.dtype() == torch::kFloat16 && scale.is_contiguous() && scale.numel() == N * (K / 32), "scale must be float16 [N, K / 32]");
   TORCH_CHECK(y.dtype() == torch::kFloat32 && y.is_contiguous() && y.size(0) == M && y.size(1) == N, "y must be float32 [M, N]");
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX2__) || (defined(__AVX512VNNI__) && defined(__AVX512BW__))
   static thread_local Q8Acts decode_acts;  // reused: decode calls are many and small
   Q8Acts prefill_acts;
   Q8Acts& a = M <= kQ8Rows ? decode_acts : prefill_acts;
@@ -289,7 +289,7 @@ inline void linear_q8_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale
   const at::Half* sp = scale.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
   const int64_t nb = K / 32;
-  if (M <= kQ8Rows) {
+  if (M <= kQ8Rows) {  // decode: a row at a time, from memory once
     at::parallel_for(0, N, std::max<int64_t>(1, (64 << 10) / K), [&](int64_t lo, int64_t hi) {
       const ShareClock clock(hi - lo);
       for (int64_t n = lo; n < hi; ++n) {
@@ -300,6 +300,8 @@ inline void linear_q8_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale
     });
     return;
   }
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #if defined(DELTASERVE_AMX)
   if (amx::enabled()) {
     const int64_t tiles = (N + 15) / 16;
@@ -329,29 +331,6 @@ inline void linear_q8_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale
     }
   });
 #elif defined(__AVX2__)
-  static thread_local Q8Acts decode_acts;
-  Q8Acts prefill_acts;
-  Q8Acts& a = M <= kRows32 ? decode_acts : prefill_acts;
-  a.quantize(x.data_ptr<float>(), M, K);
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const at::Half* sp = scale.data_ptr<at::Half>();
-  float* yp = y.data_ptr<float>();
-  const int64_t nb = K / 32;
-  if (M <= kRows32) {  // decode: a row at a time, from memory once
-    at::parallel_for(0, N, std::max<int64_t>(1, (64 << 10) / K), [&](int64_t lo, int64_t hi) {
-      const ShareClock clock(hi - lo);
-      for (int64_t n = lo; n < hi; ++n) {
-        float sums[kRows32];
-        dot_rows32<false>(M, a, 0, [&](int64_t k) {
-          const int8_t* codes = wp + n * K + 32 * k;
-          _mm_prefetch(reinterpret_cast<const char*>(codes) + kGemvPrefetch, _MM_HINT_T0);
-          return Block32{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)), static_cast<float>(sp[n * nb + k]), 0.f};
-        }, sums);
-        for (int64_t m = 0; m < M; ++m) yp[m * N + n] = sums[m];
-      }
-    });
-    return;
-  }
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t lo, int64_t hi) {  // prefill: 16 weight rows at a time
     Rows32 tile;
     for (int64_t t = lo; t < hi; ++t) {
