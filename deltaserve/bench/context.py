@@ -120,7 +120,7 @@ def _table(args, engines: list[str], median: dict) -> None:
             if len(engines) > 1:
                 row += f"{by['deltaserve'][m] / by['llama.cpp'][m]:>11.2f}x"
             print(row)
-    if "llama.cpp" in engines and llama_peer.note():
+    if "llama.cpp" in engines:
         print(llama_peer.note())
     print("deltaserve memory held (within its peak RSS): " + "; ".join(
         f"{n}: KV cache + recurrent state {by['deltaserve']['state_mb']:,.0f} MB, "

@@ -46,7 +46,21 @@ def open_llama(model_path, **kwargs):
         high_level.llama_cpp.llama_model_default_params = defaults
 
 
-def note() -> str | None:
-    """What the benchmarks print beside llama.cpp's figures where it ran without its AMX buffers."""
-    return ("llama.cpp ran without its extra buffer types (use_extra_bufts = False): on this AMX CPU its AMX matmul "
-            "segfaults on quantised files (llama.cpp #20824); its AVX-512 VNNI kernels ran" if amx_cpu() else None)
+def cpu_features() -> str:
+    """The instruction sets this llama.cpp's CPU kernels were built with (its system info's "X = 1" entries): which
+    of its kernels ran, as the benchmark says beside its figures."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode()
+    return " ".join(part.split("=")[0].strip() for part in info.replace("CPU :", "|").split("|")
+                    if part.strip().endswith("= 1"))
+
+
+def note() -> str:
+    """What the benchmarks print beside llama.cpp's figures: what its kernels were built with, and that it ran
+    without its AMX buffers where this CPU has AMX."""
+    built = f"llama.cpp's CPU kernels built with: {cpu_features()}"
+    if not amx_cpu():
+        return built
+    return (f"{built}; it ran without its extra buffer types (use_extra_bufts = False): on this AMX CPU its AMX matmul "
+            "segfaults on quantised files (llama.cpp #20824)")

@@ -56,3 +56,16 @@ def test_table_sets_the_imports_aside(capsys):
     assert median["deltaserve"]["rss_past_imports_mb"] == 672.0 and median["llama.cpp"]["rss_past_imports_mb"] == 682.0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("rss_past_imports_mb"))
     assert row.split()[-3:] == ["672.0", "682.0", f"{672 / 682:.2f}x"]
+
+
+def test_the_peers_note_names_what_its_kernels_were_built_with():
+    """The table says which instruction sets llama.cpp's CPU kernels were built with (its own system info's "X = 1"
+    entries, none of its "X = 0" ones): a peer built for AVX2 on an AVX-512 machine runs AVX2 kernels."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/install-llama-cpp.sh)")
+    from deltaserve.bench import llama_peer
+
+    info = llama_cpp.llama_print_system_info().decode()
+    features = llama_peer.cpu_features().split()
+    assert features and all(f"{f} = 1" in info for f in features)
+    assert not [f for f in ("AVX2", "AVX512", "AVX512_VNNI", "FMA") if f"{f} = 1" in info and f not in features]
+    assert llama_peer.cpu_features() in llama_peer.note()

@@ -244,9 +244,9 @@ inline void open_q6_k(const uint8_t* b, WBlock& w) {
 }
 
 // IQ4_XS: d f16 | scales_h u16 | scales_l[4] | qs[128]; codes = level + 128, scale = 6-bit scale - 32 per 32
-// (twice per 16), offset 128 scale
+// (twice per 16), offset 128 scale (kIQ4Signed: codes = the levels' bytes, offset 0)
 inline void open_iq4_xs(const uint8_t* b, WBlock& w) {
-  constexpr int bias = kIQ4Signed ? 0 : 128;  // (kIQ4Signed: the levels' bytes)
+  constexpr int bias = kIQ4Signed ? 0 : 128;
   for (int ib = 0; ib < 8; ++ib) {
     const int sc = iq4xs_scale(b, ib);
     w.sc[2 * ib] = w.sc[2 * ib + 1] = static_cast<int16_t>(sc);
