@@ -19,6 +19,7 @@
 #include "amx.h"
 #include "int8dot.h"
 #include "int8gemm_amx.h"
+#include "int8ktile_avx2.h"
 #include "int8panel.h"
 #include "panel_gemv.h"
 
@@ -252,6 +253,9 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
   const int64_t tile = M <= kRows ? 1 : 16;  // one row: opened into L1 and used at once (decode)
   at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t lo, int64_t hi) {
     std::vector<WBlock> w(tile * nb);
+#if defined(DELTASERVE_BLOCK32_AVX2)
+    KTile8 ktile;
+#endif
     for (int64_t t = lo; t < hi; ++t)
       for (int64_t n0 = t * tile, end = std::min(n0 + tile, N), n1; n0 < end; n0 = n1) {  // a segment's rows at a time
         const int64_t s = seg.find(n0), type = seg.type(s);
@@ -261,6 +265,16 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
           continue;
         }
         for (int64_t n = n0; n < n1; ++n) open_row(type, native_row(seg, base, s, n, K, row_scratch(K)), nb, w.data() + (n - n0) * nb);
+#if defined(DELTASERVE_BLOCK32_AVX2)
+        if (M > kRows && !signed_codes(type)) {  // prefill: tiles of 8 rows (int8ktile_avx2.h)
+          for (int64_t h = n0; h < n1; h += 8) {
+            ktile.open(w.data() + (h - n0) * nb, std::min<int64_t>(8, n1 - h), nb);
+            if (type == Q6_K) ktile.run<2>(xq, M, yp + h, N);
+            else ktile.run<4>(xq, M, yp + h, N);
+          }
+          continue;
+        }
+#endif
         for (int64_t g = 0; g < M; g += kRows) {
           const int64_t mb = std::min<int64_t>(kRows, M - g);
           for (int64_t n = n0; n < n1; ++n) {

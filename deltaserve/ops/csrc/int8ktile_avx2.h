@@ -1,0 +1,121 @@
+// The prefill GEMM of K-quant weights (Q2_K .. Q6_K) on AVX2, for CPUs without AVX-512 VNNI: tiles of 8 weight rows,
+// one int32 lane per row, as int8legacy_avx2.h's Rows32 for the 32-weight blocks. Each row's blocks are opened as
+// int8dot.h opens them (unsigned codes, int16 scales and offsets per 16, d and o) and then laid out so that one
+// vpmaddubsw multiplies 4 codes of 8 rows by 4 activations broadcast; the products of a 16-code group are summed in
+// int16 over its steps (4, or 2 for Q6_K's codes up to 63: a pair of products is at most 2 x 63 x 127) before one
+// vpmaddwd times the rows' scales widens them, where the row-at-a-time dot (int8dot.h dot_rows) takes a vpmaddwd
+// and an add per step and reloads every activation row per weight row.
+//
+//   block . x  =  d dx sum_g sc_g sum_(e in g) code_e q_e  -  o dx sum_g off_g bsum_g      (g: groups of 16)
+#pragma once
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "int8dot.h"
+#include "int8legacy_avx2.h"
+
+namespace deltaserve {
+namespace kq {
+
+#if defined(DELTASERVE_BLOCK32_AVX2)
+constexpr bool kKTileAvx2 = true;
+
+// up to 8 opened rows: codes [nb][64 steps][8 rows][4], scales [nb][16 groups][8 rows][2] (each row's twice, for
+// vpmaddwd's pairs), offsets [nb][8 pairs of groups][8 rows][2], d and o [nb][8]
+struct KTile8 {
+  std::vector<uint8_t> q;
+  std::vector<int16_t> sc, off;
+  std::vector<float> d, o;
+  int64_t nb = 0, rows = 0;
+
+  // from w [n][blocks] (int8dot.h open_row's), n <= 8
+  void open(const WBlock* w, int64_t n, int64_t blocks) {
+    nb = blocks, rows = n;
+    q.resize(nb * 2048), sc.assign(nb * 256, 0), off.assign(nb * 128, 0), d.assign(nb * 8, 0.f), o.assign(nb * 8, 0.f);
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int c = 0; c < 8; ++c) {  // 32 codes of the 8 rows into 8 steps of 4 codes x 8 rows
+        __m256i v[8];
+        for (int r = 0; r < 8; ++r)
+          v[r] = r < rows ? _mm256_load_si256(reinterpret_cast<const __m256i*>(w[r * nb + b].q + 32 * c)) : _mm256_setzero_si256();
+        q8::transpose8(v);
+        for (int j = 0; j < 8; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + b * 2048 + (8 * c + j) * 32), v[j]);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const WBlock& wb = w[r * nb + b];
+        for (int g = 0; g < 16; ++g) sc[b * 256 + g * 16 + 2 * r] = sc[b * 256 + g * 16 + 2 * r + 1] = wb.sc[g];
+        for (int p = 0; p < 8; ++p) {
+          off[b * 128 + p * 16 + 2 * r] = wb.off[2 * p];
+          off[b * 128 + p * 16 + 2 * r + 1] = wb.off[2 * p + 1];
+        }
+        d[b * 8 + r] = wb.d, o[b * 8 + r] = wb.o;
+      }
+    }
+  }
+
+  // y[m][0 .. rows) (ldy apart) for activation rows m of xq (quantize_rows of M rows); STEPS: see the top
+  template <int STEPS>
+  void run(const XBlock* xq, int64_t M, float* y, int64_t ldy) const {
+    for (int64_t g = 0; g < M; g += 4) switch (std::min<int64_t>(4, M - g)) {
+        case 1: rows_of<1, STEPS>(xq, M, g, y + g * ldy, ldy); break;
+        case 2: rows_of<2, STEPS>(xq, M, g, y + g * ldy, ldy); break;
+        case 3: rows_of<3, STEPS>(xq, M, g, y + g * ldy, ldy); break;
+        default: rows_of<4, STEPS>(xq, M, g, y + g * ldy, ldy);
+      }
+  }
+
+ private:
+  template <int MB, int STEPS>
+  void rows_of(const XBlock* xq, int64_t M, int64_t m0, float* y, int64_t ldy) const {
+    __m256 acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const XBlock* xb[MB];
+      for (int i = 0; i < MB; ++i) xb[i] = xq + xblock_at(M, nb, m0 + i, b);
+      const uint8_t* qb = q.data() + b * 2048;
+      __m256i s[MB];
+      for (int i = 0; i < MB; ++i) s[i] = _mm256_setzero_si256();
+      for (int grp = 0; grp < 16; ++grp) {
+        const __m256i scv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc.data() + b * 256 + grp * 16));
+#pragma GCC unroll 2
+        for (int h = 0; h < 4; h += STEPS) {
+          __m256i p[MB];
+          for (int i = 0; i < MB; ++i) p[i] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+          for (int step = 4 * grp + h; step < 4 * grp + h + STEPS; ++step) {
+            const __m256i cv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + step * 32));
+#pragma GCC unroll 4
+            for (int i = 0; i < MB; ++i)
+              p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(cv, q8::broadcast4(xb[i]->q + 4 * step)));
+          }
+          for (int i = 0; i < MB; ++i) s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p[i], scv));
+        }
+      }
+      const __m256 db = _mm256_loadu_ps(d.data() + 8 * b), ob = _mm256_loadu_ps(o.data() + 8 * b);
+#pragma GCC unroll 4
+      for (int i = 0; i < MB; ++i) {
+        __m256i offs = _mm256_setzero_si256();
+        for (int p = 0; p < 8; ++p) {
+          int32_t pair;
+          std::memcpy(&pair, xb[i]->bs + 2 * p, 4);
+          offs = _mm256_add_epi32(offs, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(off.data() + b * 128 + p * 16)),
+                                                          _mm256_set1_epi32(pair)));
+        }
+        const __m256 dx = _mm256_set1_ps(xb[i]->d);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(db, dx), acc[i]);
+        acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(offs), _mm256_mul_ps(ob, dx), acc[i]);
+      }
+    }
+    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rows)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int i = 0; i < MB; ++i) _mm256_maskstore_ps(y + i * ldy, keep, acc[i]);
+  }
+};
+#else
+constexpr bool kKTileAvx2 = false;
+#endif
+
+}  // namespace kq
+}  // namespace deltaserve
