@@ -222,7 +222,8 @@ inline std::string int8_isa() {
 // @ W^T, W packed blocks (segment table as for linear_packed). Prefill on AVX-512 VNNI: the panels above; decode on
 // AVX-512 BW: panel_gemv.h. Otherwise threads split the output columns into tiles of weight rows (one for decode,
 // opened into L1 and used at once; 16 above, opened into a per-thread buffer that stays in L2) multiplied by every
-// group of rows of x; rows of 32-weight blocks there take int8legacy_avx2.h's kernels.
+// group of rows of x; there rows of 32-weight blocks take int8legacy_avx2.h's kernels, and (AVX2) K-quant prefill
+// int8ktile_avx2.h's tiles of 8 rows.
 inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor table, torch::Tensor y) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be float32 [M, K] contiguous");
   TORCH_CHECK(bytes.dtype() == torch::kUInt8 && bytes.is_contiguous(), "packed bytes must be contiguous uint8");

@@ -131,7 +131,7 @@ inline void dot_rows32(int64_t mb, const Q8Acts& a, int64_t m0, Open&& open, flo
     case 5: return dot_row32<5, ONE>(a, m0, open, out);
     case 6: return dot_row32<6, ONE>(a, m0, open, out);
     case 7: return dot_row32<7, ONE>(a, m0, open, out);
-    default: return dot_row32<8, ONE>(a, m0, open, out);
+    default: return dot_row32<kRows32, ONE>(a, m0, open, out);
   }
 }
 

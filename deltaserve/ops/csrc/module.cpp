@@ -2,7 +2,8 @@
 // delta_rule.h (the fused gated delta rule), conv.h, gdn.h (a GDN layer's middle in one call), layers.h (norms, SwiGLU, attention step), gemv.h,
 // f16gemm.h (the prefill GEMM of float16 weights, and of bfloat16 ones times float32 activations),
 // kquants.h (packed GGML blocks: decoders, rows to float32) and kquants_avx512.h, packed.h (decode GEMV and rows to float32 on them),
-// int8dot.h, int8gemv.h, panel_gemv.h, int8panel.h, int8gemm.h, int8gemm_amx.h and panels.h (integer dot products of K-quant blocks; int8q8.h of Q8_0 ones with activations rounded to int8), probe.h (peaks),
+// int8dot.h, int8gemv.h, panel_gemv.h, int8panel.h, int8gemm.h, int8gemm_amx.h, int8ktile_avx2.h and panels.h (integer dot products of K-quant blocks; int8q8.h of Q8_0 ones with activations rounded to int8,
+// q8acts.h that rounding, int8legacy.h and int8legacy_avx2.h the other 32-weight blocks), probe.h (peaks),
 // bf16.h (float32 activations times bfloat16 weights; its AMX prefill in bf16_amx.h), amx.h (whether the tiles run),
 // attention.h (tiled attention over the KV cache for long spans), plan.h (a decode step or verify pass through dense
 // layers, and the MTP layer's drafts), spec.h (a greedy speculative step with those drafts).
