@@ -267,10 +267,11 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
         }
         for (int64_t n = n0; n < n1; ++n) open_row(type, native_row(seg, base, s, n, K, row_scratch(K)), nb, w.data() + (n - n0) * nb);
 #if defined(DELTASERVE_BLOCK32_AVX2)
-        if (M > kRows && !signed_codes(type)) {  // prefill: tiles of 8 rows (int8ktile_avx2.h)
+        if (M > kRows) {  // prefill: tiles of 8 rows (int8ktile_avx2.h)
           for (int64_t h = n0; h < n1; h += 8) {
             ktile.open(w.data() + (h - n0) * nb, std::min<int64_t>(8, n1 - h), nb);
-            if (type == Q6_K) ktile.run<2>(xq, M, yp + h, N);
+            if (signed_codes(type)) ktile.run<1, true>(xq, M, yp + h, N);
+            else if (type == Q6_K) ktile.run<2>(xq, M, yp + h, N);
             else ktile.run<4>(xq, M, yp + h, N);
           }
           continue;

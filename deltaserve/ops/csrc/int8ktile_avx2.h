@@ -57,18 +57,20 @@ struct KTile8 {
   }
 
   // y[m][0 .. rows) (ldy apart) for activation rows m of xq (quantize_rows of M rows); STEPS: see the top
-  template <int STEPS>
+  // SIGNED: codes are signed bytes (IQ4_XS's levels where int8dot.h's kIQ4Signed): |code| into vpmaddubsw, the
+  // activations given the code's sign (a pair of products then reaches 2 x 127 x 127: STEPS 1)
+  template <int STEPS, bool SIGNED = false>
   void run(const XBlock* xq, int64_t M, float* y, int64_t ldy) const {
     for (int64_t g = 0; g < M; g += 4) switch (std::min<int64_t>(4, M - g)) {
-        case 1: rows_of<1, STEPS>(xq, M, g, y + g * ldy, ldy); break;
-        case 2: rows_of<2, STEPS>(xq, M, g, y + g * ldy, ldy); break;
-        case 3: rows_of<3, STEPS>(xq, M, g, y + g * ldy, ldy); break;
-        default: rows_of<4, STEPS>(xq, M, g, y + g * ldy, ldy);
+        case 1: rows_of<1, STEPS, SIGNED>(xq, M, g, y + g * ldy, ldy); break;
+        case 2: rows_of<2, STEPS, SIGNED>(xq, M, g, y + g * ldy, ldy); break;
+        case 3: rows_of<3, STEPS, SIGNED>(xq, M, g, y + g * ldy, ldy); break;
+        default: rows_of<4, STEPS, SIGNED>(xq, M, g, y + g * ldy, ldy);
       }
   }
 
  private:
-  template <int MB, int STEPS>
+  template <int MB, int STEPS, bool SIGNED>
   void rows_of(const XBlock* xq, int64_t M, int64_t m0, float* y, int64_t ldy) const {
     __m256 acc[MB];
     for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
@@ -87,9 +89,13 @@ struct KTile8 {
 #pragma GCC unroll 4
           for (int step = 4 * grp + h; step < 4 * grp + h + STEPS; ++step) {
             const __m256i cv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + step * 32));
+            const __m256i mag = SIGNED ? _mm256_sign_epi8(cv, cv) : cv;
 #pragma GCC unroll 4
-            for (int i = 0; i < MB; ++i)
-              p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(cv, q8::broadcast4(xb[i]->q + 4 * step)));
+            for (int i = 0; i < MB; ++i) {
+              __m256i xv = q8::broadcast4(xb[i]->q + 4 * step);
+              if (SIGNED) xv = _mm256_sign_epi8(xv, cv);
+              p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(mag, xv));
+            }
           }
           for (int i = 0; i < MB; ++i) s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p[i], scv));
         }
