@@ -22,7 +22,6 @@ namespace deltaserve {
 namespace kq {
 
 #if defined(DELTASERVE_BLOCK32_AVX2)
-constexpr bool kKTileAvx2 = true;
 
 // up to 8 opened rows: codes [nb][64 steps][8 rows][4], scales [nb][16 groups][8 rows][2] (each row's twice, for
 // vpmaddwd's pairs), offsets [nb][8 pairs of groups][8 rows][2], d and o [nb][8]
@@ -115,12 +114,9 @@ struct KTile8 {
         acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(offs), _mm256_mul_ps(ob, dx), acc[i]);
       }
     }
-    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rows)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    for (int i = 0; i < MB; ++i) _mm256_maskstore_ps(y + i * ldy, keep, acc[i]);
+    q8::store_lanes(acc, MB, y, ldy, rows);
   }
 };
-#else
-constexpr bool kKTileAvx2 = false;
 #endif
 
 }  // namespace kq

@@ -95,6 +95,12 @@ inline __m256i broadcast4(const int8_t* x) {
   return _mm256_set1_epi32(four);
 }
 
+// y + i ldy [0 .. n) = lanes 0 .. n of acc[i], i < mb: a tile's 8 rows, the last tile's first n
+inline void store_lanes(const __m256* acc, int mb, float* y, int64_t ldy, int64_t n) {
+  const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (int i = 0; i < mb; ++i) _mm256_maskstore_ps(y + i * ldy, keep, acc[i]);
+}
+
 inline float sum8(__m256 v) {
   const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 s = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -307,8 +313,7 @@ struct Rows32 {
           acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(mt + 8 * k), _mm256_set1_ps(a.d[at] * static_cast<float>(-a.start[at] / 128)), acc[i]);
       }
     }
-    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    for (int i = 0; i < MB; ++i) _mm256_maskstore_ps(y + i * ldy, keep, acc[i]);
+    store_lanes(acc, MB, y, ldy, n);
   }
 };
 #else
