@@ -8,8 +8,8 @@
 // log-sum-exp weights.
 //
 // With AVX-512 a tile's two products and its softmax run in the register kernels of attn_tiles.h (at the
-// 0.8B shapes, 256 query rows x 64 keys a tile, ~100 GFLOP/s a Zen 4 core against ~58 for the loops below);
-// elsewhere (AVX2, portable builds) the plain loops below.
+// 0.8B shapes, 256 query rows x 64 keys a tile, ~100 GFLOP/s a Zen 4 core against ~58 for the loops below); with
+// AVX2 its two products in attn_tiles.h's ymm kernels and the softmax in the loops below; portable builds the loops.
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -239,6 +239,8 @@ void run_item(const Args<C>& a, Scratch& w, int64_t n, int64_t j, int64_t t0, in
     else
 #if defined(__AVX512F__)
       zmm::scores(w.qt.data(), w.k.data(), w.s.data(), rows, dk, cnt);
+#elif defined(__AVX2__) && defined(__FMA__)
+      ymm::scores(w.qt.data(), w.k.data(), w.s.data(), rows, dk, cnt);
 #else
       scores_wide(w.qt.data(), w.k.data(), w.s.data(), rows, dk);
 #endif
@@ -247,6 +249,8 @@ void run_item(const Args<C>& a, Scratch& w, int64_t n, int64_t j, int64_t t0, in
     prefetch_rows(kb + (key + cnt) * a.ks1, a.ks1, std::min(kKeys, k1 - key - cnt), dk);  // the next tile's keys
 #if defined(__AVX512F__)
     zmm::values(w.s.data(), w.v.data(), w.acc.data(), rows, real, cnt, dv);
+#elif defined(__AVX2__) && defined(__FMA__)
+    ymm::values(w.s.data(), w.v.data(), w.acc.data(), rows, real, cnt, dv);
 #else
     accumulate(w.s.data(), w.v.data(), w.acc.data(), rows, real, cnt, dv);
 #endif

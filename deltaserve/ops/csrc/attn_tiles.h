@@ -1,4 +1,4 @@
-// The two products of a prefill attention tile (attention.h) as AVX-512 register-blocked kernels.
+// The two products of a prefill attention tile (attention.h) as AVX-512 register-blocked kernels (AVX2: below).
 //
 // The loops over small float arrays that they replace left their accumulators to the compiler, which at
 // 64 rows x 64 keys x head 256 ran both products at about 50 GFLOP/s on a Zen 4 core (peak ~118). Here the
@@ -167,6 +167,89 @@ inline void values(const float* p, const float* v, float* acc, int64_t rows, int
 }
 
 }  // namespace zmm
+}  // namespace attn
+}  // namespace deltaserve
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace deltaserve {
+namespace attn {
+// The same two products with AVX2's 16 registers (the AVX2 builds: AMD Zen 2 / 3, Intel client cores), where the
+// plain loops' 4 x 32 sums took all 16 and GCC kept them in memory. The softmax stays in the plain loops.
+namespace ymm {
+
+inline __m256 held(__m256 x) {  // a loaded register used by several FMAs, loaded once (as zmm::held)
+  asm("" : "+x"(x));
+  return x;
+}
+
+// s[c, r] = k[c] . q[r] for c < keys rounded up to 4 (zero key rows past the tile's count), r < rows (a multiple
+// of 16), from the queries transposed: 16 rows (2 registers) at a time stay in L1 over all keys, each key
+// element broadcast against them, 4 keys x 2 registers of sums in flight.
+inline void scores(const float* qt, const float* k, float* s, int64_t rows, int64_t dk, int64_t keys) {
+  const int64_t up4 = (keys + 3) / 4 * 4;
+  for (int64_t r0 = 0; r0 < rows; r0 += 16)
+    for (int64_t c0 = 0; c0 < up4; c0 += 4) {
+      __m256 a[4][2];
+      for (int cc = 0; cc < 4; ++cc) a[cc][0] = a[cc][1] = _mm256_setzero_ps();
+      const float *kc = k + c0 * dk, *q = qt + r0;
+      for (int64_t i = 0; i < dk; ++i) {
+        const __m256 q0 = held(_mm256_loadu_ps(q + i * rows)), q1 = held(_mm256_loadu_ps(q + i * rows + 8));
+#pragma GCC unroll 4
+        for (int cc = 0; cc < 4; ++cc) {
+          const __m256 x = _mm256_broadcast_ss(kc + cc * dk + i);
+          a[cc][0] = _mm256_fmadd_ps(x, q0, a[cc][0]);
+          a[cc][1] = _mm256_fmadd_ps(x, q1, a[cc][1]);
+        }
+      }
+      for (int cc = 0; cc < 4; ++cc) {
+        _mm256_storeu_ps(s + (c0 + cc) * rows + r0, a[cc][0]);
+        _mm256_storeu_ps(s + (c0 + cc) * rows + r0 + 8, a[cc][1]);
+      }
+    }
+}
+
+// lanes below n of a register (n in 1 .. 8) for the masked loads and stores of a last block of columns
+inline __m256i lanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// acc[r] += sum over c < n of p[c * rows + r] v[c] for r < real rounded up to 4 (padding rows' weights are zero),
+// any dv: 16 columns at a time (their slice of the values stays in L1 over the rows), 4 rows x 2 registers of
+// sums held across all keys of the tile, each output read and written once.
+inline void values(const float* p, const float* v, float* acc, int64_t rows, int64_t real, int64_t n, int64_t dv) {
+  for (int64_t d0 = 0; d0 < dv; d0 += 16) {
+    const int64_t w = std::min<int64_t>(16, dv - d0);
+    const __m256i m0 = lanes(std::min<int64_t>(8, w)), m1 = lanes(std::max<int64_t>(w - 8, 0));
+    for (int64_t r0 = 0; r0 < real; r0 += 4) {
+      float* ar = acc + r0 * dv + d0;
+      __m256 a[4][2];
+      for (int r = 0; r < 4; ++r) {
+        a[r][0] = _mm256_maskload_ps(ar + r * dv, m0);
+        a[r][1] = _mm256_maskload_ps(ar + r * dv + 8, m1);
+      }
+      for (int64_t c = 0; c < n; ++c) {
+        const __m256 x0 = held(_mm256_maskload_ps(v + c * dv + d0, m0));
+        const __m256 x1 = held(_mm256_maskload_ps(v + c * dv + d0 + 8, m1));
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          const __m256 wt = _mm256_broadcast_ss(p + c * rows + r0 + r);
+          a[r][0] = _mm256_fmadd_ps(wt, x0, a[r][0]);
+          a[r][1] = _mm256_fmadd_ps(wt, x1, a[r][1]);
+        }
+      }
+      for (int r = 0; r < 4; ++r) {
+        _mm256_maskstore_ps(ar + r * dv, m0, a[r][0]);
+        _mm256_maskstore_ps(ar + r * dv + 8, m1, a[r][1]);
+      }
+    }
+  }
+}
+
+}  // namespace ymm
 }  // namespace attn
 }  // namespace deltaserve
 #endif
