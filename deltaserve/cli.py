@@ -100,7 +100,7 @@ def _add_make_model_args(p: argparse.ArgumentParser):
                         "(kimi-linear) (default: tiny)")
     p.add_argument("--dtype", choices=("f16", "f32", "q8_0"), default="f16", help="GGUF file type (default: f16)")
     p.add_argument("--quantize", choices=("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M",
-                                          "Q6_K", "IQ4_XS", "BF16", "MXFP4_MOE"),
+                                          "Q6_K", "IQ4_NL", "IQ4_XS", "BF16", "MXFP4_MOE"),
                    help="then quantise the f16 / f32 file with llama.cpp's quantiser, as downloads are made "
                         "(needs llama-cpp-python); it picks each tensor's type itself")
     p.add_argument("out", type=Path, help="GGUF file to write")

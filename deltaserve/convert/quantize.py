@@ -15,7 +15,7 @@ from deltaserve.errors import DeltaserveError
 
 # file type name -> llama.cpp's llama_ftype (llama.h)
 QUANTIZE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_M": 12, "Q4_K_M": 15,
-                  "Q5_K_M": 17, "Q6_K": 18, "IQ4_XS": 30, "BF16": 32, "MXFP4_MOE": 38}
+                  "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32, "MXFP4_MOE": 38}
 
 
 def quantize_gguf(src: str | Path, dst: str | Path, qtype: str, threads: int = 0) -> Path:

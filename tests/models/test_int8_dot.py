@@ -18,7 +18,7 @@ from tests.builds import run_in_build
 pytestmark = pytest.mark.skipif(not fused.available(), reason="the C++ kernels did not build here")
 
 # types of 32-weight blocks round activations per 32: test_32_weight_blocks, test_q8_0_rows_beside_k_quants
-BLOCK32 = sorted(packed.int8_types() & {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0})
+BLOCK32 = sorted(packed.int8_types() & {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL})
 INT8 = sorted(packed.int8_types() - set(BLOCK32))  # the K-quants and IQ4_XS
 
 
@@ -166,9 +166,10 @@ def test_a_short_tile_of_32_weight_blocks_ends_its_group(prefill_path):
                          ids=lambda v: v.name if isinstance(v, Q) else ("panels" if v else "file-rows"))
 @pytest.mark.parametrize("out_rows", [37, 83], ids=lambda n: f"out{n}")  # tiles of 16: 2 + 5 rows; 5 + 3 rows
 def test_32_weight_blocks(qtype, rows, out_rows, panels, prefill_path):
-    """Q4_0, Q4_1, Q5_0, Q5_1 (and Q8_0) matrices as decode (up to 8 activation rows) and prefill multiply them:
-    activations rounded per 32 (llama.cpp's Q8_0), the _1 types' offsets times the rounded block sums; within
-    float32 rounding of the float64 product of gguf-py's weights and the rounded activations. On AMX tiles the
+    """Q4_0, Q4_1, Q5_0, Q5_1 (and Q8_0; IQ4_NL in the AVX2 builds) matrices as decode (up to 8 activation rows)
+    and prefill multiply them: activations rounded per 32 (llama.cpp's Q8_0), the _1 types' offsets times the
+    rounded block sums; within float32 rounding of the float64 product of gguf-py's weights and the rounded
+    activations. On AMX tiles the
     prefill takes 4 weight tiles at a time (83 rows: 4, then 2 with the last of 3). Q4_0 rows also in row panels
     (decode reads the panels, prefill the rows rebuilt from them; the last out_rows % 16 stay as in the file)."""
     K = 544  # 17 blocks: an odd one ends each row
@@ -185,7 +186,7 @@ def test_32_weight_blocks(qtype, rows, out_rows, panels, prefill_path):
 def test_linear_takes_the_integer_kernels_and_can_be_told_not_to(monkeypatch):
     """packed.linear: K-quant matrices through the integer kernels (bf16 activations too, held column order);
     INT8_ACTIVATIONS = False gives the float32 product of the exact weights; a matrix with a type the integer
-    kernels lack (IQ4_NL) stays on the float kernels."""
+    kernels lack (MXFP4) stays on the float kernels."""
     K = 512
     order = torch.randperm(K, generator=torch.Generator().manual_seed(1))
     w, ref = packed_matrix([(Q.Q4_K, 21), (Q.Q6_K, 6)], K, seed=3, x_index=order)
@@ -199,13 +200,13 @@ def test_linear_takes_the_integer_kernels_and_can_be_told_not_to(monkeypatch):
     monkeypatch.setattr(packed, "INT8_ACTIVATIONS", False)
     assert_matmul(linear(x, w), x[..., order], ref[:, order])
     monkeypatch.setattr(packed, "INT8_ACTIVATIONS", True)
-    w2, ref2 = packed_matrix([(Q.Q4_K, 4), (Q.IQ4_NL, 3)], K, seed=4)
+    w2, ref2 = packed_matrix([(Q.Q4_K, 4), (Q.MXFP4, 3)], K, seed=4)
     assert_matmul(linear(x, w2), x, ref2)
 
 
 def test_bad_calls_are_named():
-    w, _ = packed_matrix([(Q.IQ4_NL, 3)], 256, seed=1)
-    with pytest.raises(RuntimeError, match="type 20 has no integer kernel"):
+    w, _ = packed_matrix([(Q.MXFP4, 3)], 256, seed=1)
+    with pytest.raises(RuntimeError, match="type 39 has no integer kernel"):
         run(torch.randn(2, 256), w)
     w, _ = packed_matrix([(Q.Q4_K, 3)], 256, seed=1)
     with pytest.raises(RuntimeError, match="float32 \\[M, K\\]"):

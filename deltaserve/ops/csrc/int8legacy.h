@@ -22,7 +22,8 @@ namespace q8 {
 
 // the types of 32-weight blocks these kernels take (beside the K-quants in one packed matrix: kq::linear_int8)
 inline bool block32(int64_t type) {
-  return type == kq::Q8_0 || type == kq::Q4_0 || type == kq::Q4_1 || type == kq::Q5_0 || type == kq::Q5_1;
+  return type == kq::Q8_0 || type == kq::Q4_0 || type == kq::Q4_1 || type == kq::Q5_0 || type == kq::Q5_1 ||
+         (kq::kIQ4NLInt8 && type == kq::IQ4_NL);
 }
 
 inline bool with_offsets(int64_t type) { return type == kq::Q4_1 || type == kq::Q5_1; }

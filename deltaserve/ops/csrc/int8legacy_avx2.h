@@ -1,9 +1,9 @@
-// Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights (blocks of 32) by integer dot products on AVX2, for CPUs without AVX-512
+// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL weights (blocks of 32) by integer dot products on AVX2, for CPUs without AVX-512
 // VNNI (AMD Zen 2 and 3, Intel's client cores, Skylake-SP Xeons), with activations rounded per 32 (q8acts.h): the
 // arithmetic llama.cpp runs on these files there. Where AVX-512 VNNI is built, int8q8.h and int8legacy.h take them.
 //
 // A block's 32 codes open into signed bytes c: q - 8 (Q4_0), q - 16 (Q5_0), q (the _1 types, whose offset m adds
-// m dx sum(qx) per block), Q8_0's own. vpmaddubsw multiplies unsigned by signed bytes, so |c| goes in unsigned and
+// m dx sum(qx) per block), Q8_0's own, IQ4_NL's levels (looked up by vpshufb). vpmaddubsw multiplies unsigned by signed bytes, so |c| goes in unsigned and
 // the activations take c's sign (vpsignb): a pair of products is at most 2 x 128 x 127, inside int16 (an offset code,
 // c + 128, would not be); vpmaddwd (or AVX-VNNI's vpdpbusd) sums 4 products into each of 8 int32 lanes, exactly. Per
 // block and activation row the lanes take d dx in float. (The prefill's tiles hold the 4- and 5-bit types' codes
@@ -52,22 +52,33 @@ inline __m256i fifth_bits(const uint8_t* qh) {
 }
 
 template <int64_t TYPE>
-constexpr int64_t kBytes32 = TYPE == kq::Q8_0 ? 34 : TYPE == kq::Q4_0 ? 18 : TYPE == kq::Q4_1 ? 20 : TYPE == kq::Q5_0 ? 22 : 24;
+constexpr int64_t kBytes32 = TYPE == kq::Q8_0 ? 34 : TYPE == kq::Q4_0 || TYPE == kq::IQ4_NL ? 18 : TYPE == kq::Q4_1 ? 20
+                             : TYPE == kq::Q5_0 ? 22 : 24;
+
+// codes whose products with activations need the sign trick (signed levels), in the prefill tiles as in decode
+template <int64_t TYPE>
+constexpr bool kSigned32 = TYPE == kq::Q8_0 || TYPE == kq::IQ4_NL;
 
 // what the prefill tiles multiply for TYPE: the 4- and 5-bit types their codes q unsigned (the bias, 8 or 16, taken
 // off once per block as bias x sum(qx)), whose products in pairs stay small enough (at most 2 x 31 x 127) that 4
 // vpmaddubsw results are summed in int16 before one vpmaddwd widens them (Q4_0 at 512 x 1024 x 3584: 223 -> 264
-// GOP/s against a vpmaddwd a step). Q8_0 codes stay signed (vpsignb).
+// GOP/s against a vpmaddwd a step). Q8_0's codes and IQ4_NL's levels stay signed (vpsignb).
 template <int64_t TYPE>
 constexpr int kBias32 = TYPE == kq::Q4_0 ? 8 : TYPE == kq::Q5_0 ? 16 : 0;
 constexpr int kPairs16 = 4;
 
 // a file's block of TYPE at b: d f16 | (_1: m f16) | (Q5: qh[4]) | qs[16] (element j low nibble of byte j, 16 + j
-// its high nibble); Q8_0: d f16 | 32 int8. UNSIGNED: the 4- and 5-bit types' codes q, before their bias.
+// its high nibble); Q8_0: d f16 | 32 int8; IQ4_NL: d f16 | qs[16] as Q4_0's, each nibble a level's index.
+// UNSIGNED: the 4- and 5-bit types' codes q, before their bias.
 template <int64_t TYPE, bool UNSIGNED = false>
 inline Block32 open_block32(const uint8_t* b) {
   if constexpr (TYPE == kq::Q8_0) {
     return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), kq::half(b), 0.f};
+  } else if constexpr (TYPE == kq::IQ4_NL) {
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+    const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(0xF));
+    const __m128i levels = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kq::kIQ4Levels));
+    return {_mm256_shuffle_epi8(_mm256_set_m128i(levels, levels), q), kq::half(b), 0.f};
   } else {
     constexpr bool one = TYPE == kq::Q4_1 || TYPE == kq::Q5_1, five = TYPE == kq::Q5_0 || TYPE == kq::Q5_1;
     constexpr int qh_at = one ? 4 : 2, qs_at = qh_at + (five ? 4 : 0);
@@ -167,6 +178,7 @@ inline void rows32(int64_t type, int64_t M, const uint8_t* row, const Q8Acts& a,
     case kq::Q4_1: return file_rows32<kq::Q4_1>(M, row, a, out);
     case kq::Q5_0: return file_rows32<kq::Q5_0>(M, row, a, out);
     case kq::Q5_1: return file_rows32<kq::Q5_1>(M, row, a, out);
+    case kq::IQ4_NL: return file_rows32<kq::IQ4_NL>(M, row, a, out);
   }
   TORCH_CHECK(false, "rows32: GGML type ", type, " is not of 32-weight blocks");
 }
@@ -192,7 +204,7 @@ inline void transpose8(__m256i* v) {
 }
 
 // Up to 16 weight rows opened for the prefill as two tiles of 8: per block k and 4 codes j, one vector of the 8 rows'
-// 4 codes (c [tile][K / 4][8][4]: Q8_0's signed, the others' unsigned, see kBias32), so that one vpmaddubsw multiplies
+// 4 codes (c [tile][K / 4][8][4]: kSigned32's signed, the others' unsigned, see kBias32), so that one vpmaddubsw multiplies
 // 4 codes of 8 rows by 4 activations broadcast, with the rows' d (and m) per block [tile][nb][8]: the scales then
 // apply once per 32 codes and 8 rows.
 struct Rows32 {
@@ -214,6 +226,7 @@ struct Rows32 {
       case kq::Q4_1: return open_as<kq::Q4_1>(r, row);
       case kq::Q5_0: return open_as<kq::Q5_0>(r, row);
       case kq::Q5_1: return open_as<kq::Q5_1>(r, row);
+      case kq::IQ4_NL: return open_as<kq::IQ4_NL>(r, row);
     }
     TORCH_CHECK(false, "Rows32: GGML type ", type, " is not of 32-weight blocks");
   }
@@ -238,6 +251,7 @@ struct Rows32 {
       case kq::Q4_0: return run_as<kq::Q4_0>(a, y, ldy);
       case kq::Q4_1: return run_as<kq::Q4_1>(a, y, ldy);
       case kq::Q5_0: return run_as<kq::Q5_0>(a, y, ldy);
+      case kq::IQ4_NL: return run_as<kq::IQ4_NL>(a, y, ldy);
       default: return run_as<kq::Q5_1>(a, y, ldy);
     }
   }
@@ -282,7 +296,7 @@ struct Rows32 {
       const int8_t* xk = a.q.data() + m0 * K + 32 * k;
       __m256i sum[MB];
       for (int i = 0; i < MB; ++i) sum[i] = _mm256_set1_epi32(a.start[(m0 + i) * nb + k] / 128 * kBias32<TYPE>);  // -bias sum(qx)
-      if constexpr (TYPE == kq::Q8_0) {
+      if constexpr (kSigned32<TYPE>) {
 #pragma GCC unroll 8
         for (int j = 0; j < 8; ++j) {
           const __m256i cv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 256 * k + 32 * j));
