@@ -94,8 +94,8 @@ def parameter(data: torch.Tensor, packing: Packing) -> nn.Parameter:
 @functools.cache
 def int8_types() -> frozenset:
     """The types with integer kernels in this machine's build: INT8_TYPES; with AVX2 or AVX-512 VNNI the types of
-    32-weight blocks Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (rows beside others'), which multiply activations rounded per 32
-    (llama.cpp's Q8_0) where the rest take them per 256 (Q8_K)."""
+    32-weight blocks Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and Q8_0 (rows beside others'), which multiply activations
+    rounded per 32 (llama.cpp's Q8_0) where the rest take them per 256 (Q8_K)."""
     if not fused.available():
         return INT8_TYPES
     return frozenset(Q(t) for t in fused.extension().int8_types())

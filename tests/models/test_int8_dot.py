@@ -238,10 +238,11 @@ def test_build_without_vbmi():
 
 # -- whole models against llama.cpp, which runs the same arithmetic on the same files ---------------------
 
-@pytest.mark.parametrize("arch, quant, nearer", [("qwen35", "Q4_K_M", 4), ("qwen35moe", "Q4_K_M", 4),
-                                                 ("qwen35", "Q3_K_M", 4), ("qwen35", "Q2_K", 4), ("qwen35", "Q4_0", 2),
-                                                 ("qwen35moe", "Q4_0", 2)])
-def test_k_quant_model_matches_llama_cpp(arch, quant, nearer, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch, quant, nearer, bound", [("qwen35", "Q4_K_M", 4, 5e-2), ("qwen35moe", "Q4_K_M", 4, 5e-2),
+                                                        ("qwen35", "Q3_K_M", 4, 5e-2), ("qwen35", "Q2_K", 4, 5e-2),
+                                                        ("qwen35", "Q4_0", 2, 5e-2), ("qwen35moe", "Q4_0", 2, 5e-2),
+                                                        ("qwen35", "IQ4_NL", 2, 1e-1)])
+def test_k_quant_model_matches_llama_cpp(arch, quant, nearer, bound, tmp_path, monkeypatch):
     """Last-token logits near llama.cpp's on a file its own quantiser wrote, much nearer than with float32
     activations: both engines round activations to Q8_K. These random tiny models amplify a single rounding
     that lands the other way at a tie: measured 3.7e-2 (qwen35) and 4.2e-2 (qwen35moe) max|diff|/std at this
@@ -249,7 +250,8 @@ def test_k_quant_model_matches_llama_cpp(arch, quant, nearer, tmp_path, monkeypa
     tokens identical unless llama.cpp's own top-2 margin at the first difference is below that bound (5e-2 std;
     qwen35moe parts at token 25 with a margin of 3.5e-2). A Q4_0 file's activations are rounded per 32 (Q8_0), finer
     than per 256, so float32 ones are nearer there: 4.1e-2 against 0.12 (its row panels and the rows as the file
-    holds them give the same bits)."""
+    holds them give the same bits). IQ4_NL (same rounding) sits further off at every prefix: 1.5e-2 to 7.7e-2
+    (Q4_0's file 1.8e-2 to 4.1e-2) against 0.16 with float32 activations; why is not found, so its bound is 1e-1."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
     from deltaserve.convert import make_model
     from deltaserve.engine.llm import LLM
@@ -264,6 +266,6 @@ def test_k_quant_model_matches_llama_cpp(arch, quant, nearer, tmp_path, monkeypa
     monkeypatch.setattr(packed, "INT8_ACTIVATIONS", False)
     float_gap = rel_diff(ours.score(ids)[-1].double().numpy(), theirs)
     monkeypatch.setattr(packed, "INT8_ACTIVATIONS", True)
-    assert gap < 5e-2 and gap < float_gap / nearer, (gap, float_gap)
+    assert gap < bound and gap < float_gap / nearer, (gap, float_gap)
     assert_greedy_agrees(ours, ref, ids, 32)
     ref.close()

@@ -75,7 +75,7 @@ constexpr bool kIQ4Signed = true;
 #endif
 inline bool signed_codes(int64_t type) { return kIQ4Signed && type == IQ4_XS; }
 
-// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (beside others: a MoE Q4_K_M file's attention inputs) take int8legacy.h's
+// Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and Q8_0 (beside others: a MoE Q4_K_M file's attention inputs) take int8legacy.h's
 // kernels, built with VNNI, or int8legacy_avx2.h's
 #if defined(__AVX2__) || (defined(__AVX512VNNI__) && defined(__AVX512BW__))
 constexpr bool kBlock32Int8 = true;
@@ -83,18 +83,10 @@ constexpr bool kBlock32Int8 = true;
 constexpr bool kBlock32Int8 = false;
 #endif
 
-// IQ4_NL (IQ4_XS's levels in blocks of 32 with a float16 scale) takes int8legacy_avx2.h's kernels where those are
-// built; with AVX-512 VNNI it stays on the float kernels (kquants_avx512.h)
-#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-constexpr bool kIQ4NLInt8 = true;
-#else
-constexpr bool kIQ4NLInt8 = false;
-#endif
-
 inline bool int8_type(int64_t type) {
   return type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS ||
-         (kBlock32Int8 && (type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1)) ||
-         (kIQ4NLInt8 && type == IQ4_NL);
+         (kBlock32Int8 &&
+          (type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == IQ4_NL));
 }
 
 inline float half(const uint8_t* p) {

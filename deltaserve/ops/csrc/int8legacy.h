@@ -1,6 +1,7 @@
-// Q4_0, Q4_1, Q5_0 and Q5_1 weights (blocks of 32) by integer dot products with activations rounded per 32 to Q8_0,
-// the arithmetic llama.cpp runs on these files. Each block's codes open into int8, exact: q - 8 (Q4_0), q - 16
-// (Q5_0), q (the _1 types, whose offset m then adds m dx sum(qx) per block, from the rounded activations). Decode
+// Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL weights (blocks of 32) by integer dot products with activations rounded per 32 to
+// Q8_0, the arithmetic llama.cpp runs on these files. Each block's codes open into int8, exact: q - 8 (Q4_0), q - 16
+// (Q5_0), q (the _1 types, whose offset m then adds m dx sum(qx) per block, from the rounded activations), IQ4_NL's
+// levels (the nibbles index kIQ4Levels; in decode's registers the levels + 128, unsigned, as a bias of 128). Decode
 // reads a row's blocks straight into registers (legacy_row); prefill opens 16 rows at a time into a Q8Tile for
 // int8q8.h's GEMM (on AMX tiles where they run, 4 such tiles at a time: run_amx). Q8_0 rows beside them are read
 // where they lie. Q4_0 rows are held 16 to a row panel where the K-quants' are (panels.h): decode reads them with
@@ -23,7 +24,7 @@ namespace q8 {
 // the types of 32-weight blocks these kernels take (beside the K-quants in one packed matrix: kq::linear_int8)
 inline bool block32(int64_t type) {
   return type == kq::Q8_0 || type == kq::Q4_0 || type == kq::Q4_1 || type == kq::Q5_0 || type == kq::Q5_1 ||
-         (kq::kIQ4NLInt8 && type == kq::IQ4_NL);
+         type == kq::IQ4_NL;
 }
 
 inline bool with_offsets(int64_t type) { return type == kq::Q4_1 || type == kq::Q5_1; }
@@ -49,14 +50,27 @@ inline void open_row32(const uint8_t* row, int64_t nb, int8_t* codes, at::Half* 
   }
 }
 
+// An IQ4_NL row (blocks d f16 | qs[16], element j's level index the low nibble of byte j, 16 + j's the high one)
+inline void open_row_iq4nl(const uint8_t* row, int64_t nb, int8_t* codes, at::Half* d) {
+  for (int64_t k = 0; k < nb; ++k) {
+    const uint8_t* b = row + 18 * k;
+    std::memcpy(d + k, b, 2);
+    for (int j = 0; j < 16; ++j) {
+      codes[32 * k + j] = kq::kIQ4Levels[b[2 + j] & 0xF];
+      codes[32 * k + j + 16] = kq::kIQ4Levels[b[2 + j] >> 4];
+    }
+  }
+}
+
 inline void open_row32(int64_t type, const uint8_t* row, int64_t nb, int8_t* codes, at::Half* d, float* m) {
   switch (type) {
+    case kq::IQ4_NL: return open_row_iq4nl(row, nb, codes, d);
     case kq::Q4_0: return open_row32<false, false>(row, nb, codes, d, m);
     case kq::Q4_1: return open_row32<true, false>(row, nb, codes, d, m);
     case kq::Q5_0: return open_row32<false, true>(row, nb, codes, d, m);
     case kq::Q5_1: return open_row32<true, true>(row, nb, codes, d, m);
   }
-  TORCH_CHECK(false, "open_row32: GGML type ", type, " is not Q4_0, Q4_1, Q5_0 or Q5_1");
+  TORCH_CHECK(false, "open_row32: GGML type ", type, " is not Q4_0, Q4_1, Q5_0, Q5_1 or IQ4_NL");
 }
 
 // sum_k m_k dx_k sum(qx of block k): a _1 row's offsets against activation row `row` of a
@@ -68,8 +82,8 @@ inline float offsets(const float* m, const Q8Acts& a, int64_t row) {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // The weights of one block pair (TWO) or of a lone last block at b0, 64 codes [lo0 hi0 lo1 hi1] unsigned (the Q5
-// fifth bits from a mask), and per lane its block's d and (the _1 types) m
-template <bool ONE, bool FIVE, bool TWO>
+// fifth bits from a mask; NL: IQ4_NL's levels + 128), and per lane its block's d and (the _1 types) m
+template <bool ONE, bool FIVE, bool TWO, bool NL = false>
 inline void open_pair(const uint8_t* b0, __m512i& v, __m512& d, __m512& m) {
   constexpr int64_t bytes = 18 + (ONE ? 2 : 0) + (FIVE ? 4 : 0), qh_at = ONE ? 4 : 2, qs_at = qh_at + (FIVE ? 4 : 0);
   const uint8_t* b1 = b0 + bytes;
@@ -92,6 +106,14 @@ inline void open_pair(const uint8_t* b0, __m512i& v, __m512& d, __m512& m) {
   d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(kq::half(b0)), _mm512_set1_ps(TWO ? kq::half(b1) : 0.f));
   if (ONE) m = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(kq::half(b0 + 2)), _mm512_set1_ps(TWO ? kq::half(b1 + 2) : 0.f));
   v = _mm512_and_si512(_mm512_mask_blend_epi64(0xCC, t, _mm512_srli_epi16(t, 4)), _mm512_set1_epi8(0x0F));
+  if (NL) {  // vpshufb looks up within each 128-bit lane: the 16 levels + 128 in every lane
+    alignas(16) static const auto levels = [] {
+      std::array<uint8_t, 16> t{};
+      for (int i = 0; i < 16; ++i) t[i] = static_cast<uint8_t>(kq::kIQ4Levels[i] + 128);
+      return t;
+    }();
+    v = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(levels.data()))), v);
+  }
   if (FIVE) {
     uint32_t h0, h1 = 0;
     std::memcpy(&h0, b0 + qh_at, 4);
@@ -101,14 +123,14 @@ inline void open_pair(const uint8_t* b0, __m512i& v, __m512& d, __m512& m) {
 }
 
 // acc[m] += the block pair (or lone block) k of a row at b0 . activation row m's blocks k (, k + 1)
-template <int MB, bool ONE, bool FIVE, bool TWO>
+template <int MB, bool ONE, bool FIVE, bool TWO, bool NL>
 inline void legacy_pair(const uint8_t* b0, const Q8Acts& a, int64_t k, __m512* acc) {
-  constexpr int shift = FIVE ? 3 : 4;  // -128 sum / 2^shift = -bias sum for bias 16 (Q5_0) or 8 (Q4_0)
+  constexpr int shift = NL ? 0 : FIVE ? 3 : 4;  // -128 sum / 2^shift = -bias sum: bias 128 (NL), 16 (Q5_0), 8 (Q4_0)
   constexpr __mmask64 keep = TWO ? ~__mmask64{0} : 0xFFFFFFFFull;
   constexpr __mmask16 lanes = TWO ? 0xFFFF : 0xFF;
   __m512i v;
   __m512 d, mw = _mm512_setzero_ps();
-  open_pair<ONE, FIVE, TWO>(b0, v, d, mw);
+  open_pair<ONE, FIVE, TWO, NL>(b0, v, d, mw);
 #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m) {
     const int64_t at = m * a.nb + k;
@@ -129,7 +151,7 @@ inline void legacy_pair(const uint8_t* b0, const Q8Acts& a, int64_t k, __m512* a
 // out[m] = row . activation row m of a (m < MB) for a row of Q4_0 / Q4_1 / Q5_0 / Q5_1, two blocks a vpdpbusd
 // (q8_block_row's lanes): bias x sum(qx) taken off through the lanes' starts (-128 sum(qx) per 4, shifted: exact),
 // or the _1 types' m dx sum(qx) added per lane in float
-template <int MB, bool ONE, bool FIVE>
+template <int MB, bool ONE, bool FIVE, bool NL>
 inline void legacy_row(const uint8_t* row, const Q8Acts& a, float* out) {
   constexpr int64_t bytes = 18 + (ONE ? 2 : 0) + (FIVE ? 4 : 0);
   __m512 acc[MB];
@@ -137,23 +159,23 @@ inline void legacy_row(const uint8_t* row, const Q8Acts& a, float* out) {
   int64_t k = 0;
   for (; k + 1 < a.nb; k += 2) {
     _mm_prefetch(reinterpret_cast<const char*>(row + bytes * k) + kGemvPrefetch, _MM_HINT_T0);
-    legacy_pair<MB, ONE, FIVE, true>(row + bytes * k, a, k, acc);
+    legacy_pair<MB, ONE, FIVE, true, NL>(row + bytes * k, a, k, acc);
   }
-  if (k < a.nb) legacy_pair<MB, ONE, FIVE, false>(row + bytes * k, a, k, acc);
+  if (k < a.nb) legacy_pair<MB, ONE, FIVE, false, NL>(row + bytes * k, a, k, acc);
   for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
 
-template <bool ONE, bool FIVE>
+template <bool ONE, bool FIVE, bool NL = false>
 inline void legacy_rows(int64_t M, const uint8_t* row, const Q8Acts& a, float* out) {
   switch (M) {
-    case 1: return legacy_row<1, ONE, FIVE>(row, a, out);
-    case 2: return legacy_row<2, ONE, FIVE>(row, a, out);
-    case 3: return legacy_row<3, ONE, FIVE>(row, a, out);
-    case 4: return legacy_row<4, ONE, FIVE>(row, a, out);
-    case 5: return legacy_row<5, ONE, FIVE>(row, a, out);
-    case 6: return legacy_row<6, ONE, FIVE>(row, a, out);
-    case 7: return legacy_row<7, ONE, FIVE>(row, a, out);
-    default: return legacy_row<8, ONE, FIVE>(row, a, out);
+    case 1: return legacy_row<1, ONE, FIVE, NL>(row, a, out);
+    case 2: return legacy_row<2, ONE, FIVE, NL>(row, a, out);
+    case 3: return legacy_row<3, ONE, FIVE, NL>(row, a, out);
+    case 4: return legacy_row<4, ONE, FIVE, NL>(row, a, out);
+    case 5: return legacy_row<5, ONE, FIVE, NL>(row, a, out);
+    case 6: return legacy_row<6, ONE, FIVE, NL>(row, a, out);
+    case 7: return legacy_row<7, ONE, FIVE, NL>(row, a, out);
+    default: return legacy_row<8, ONE, FIVE, NL>(row, a, out);
   }
 }
 
@@ -165,6 +187,7 @@ inline void rows32(int64_t type, int64_t M, const uint8_t* row, const Q8Acts& a,
     case kq::Q4_1: return legacy_rows<true, false>(M, row, a, out);
     case kq::Q5_0: return legacy_rows<false, true>(M, row, a, out);
     case kq::Q5_1: return legacy_rows<true, true>(M, row, a, out);
+    case kq::IQ4_NL: return legacy_rows<false, false, true>(M, row, a, out);
   }
   TORCH_CHECK(false, "rows32: GGML type ", type, " is not of 32-weight blocks");
 }
