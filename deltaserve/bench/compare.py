@@ -259,8 +259,9 @@ def main(argv=None):
             runs[engine].append(_run_worker(engine, args))
             print(f"rep {rep + 1}/{args.reps} {engine}: {runs[engine][-1]}", file=sys.stderr, flush=True)
     median = _table(args, engines, runs)
-    if "llama.cpp" in engines:
-        print(llama_peer.note())
+    peer_note = llama_peer.note() if "llama.cpp" in engines else None
+    if peer_note:
+        print(peer_note)
     gemv = statistics.median(r["gemv_gbps"] for r in runs["deltaserve"])
     copy = _run_worker("bandwidth", args)["copy_gbps"]
     print(f"deltaserve decode kernels: {runs['deltaserve'][-1]['kernels']}")
