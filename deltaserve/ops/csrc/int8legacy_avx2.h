@@ -1,13 +1,13 @@
-// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL weights (blocks of 32) by integer dot products on AVX2, for CPUs without AVX-512
-// VNNI (AMD Zen 2 and 3, Intel's client cores, Skylake-SP Xeons), with activations rounded per 32 (q8acts.h): the
-// arithmetic llama.cpp runs on these files there. Where AVX-512 VNNI is built, int8q8.h and int8legacy.h take them.
+// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL weights (blocks of 32) by integer dot products on AVX2, for CPUs without
+// AVX-512 VNNI (AMD Zen 2 and 3, Intel's client cores, Skylake-SP Xeons), with activations rounded per 32 (q8acts.h):
+// the arithmetic llama.cpp runs on these files there. Where AVX-512 VNNI is built, int8q8.h and int8legacy.h take them.
 //
 // A block's 32 codes open into signed bytes c: q - 8 (Q4_0), q - 16 (Q5_0), q (the _1 types, whose offset m adds
-// m dx sum(qx) per block), Q8_0's own, IQ4_NL's levels (looked up by vpshufb). vpmaddubsw multiplies unsigned by signed bytes, so |c| goes in unsigned and
-// the activations take c's sign (vpsignb): a pair of products is at most 2 x 128 x 127, inside int16 (an offset code,
-// c + 128, would not be); vpmaddwd (or AVX-VNNI's vpdpbusd) sums 4 products into each of 8 int32 lanes, exactly. Per
-// block and activation row the lanes take d dx in float. (The prefill's tiles hold the 4- and 5-bit types' codes
-// unsigned instead: kBias32.)
+// m dx sum(qx) per block), Q8_0's own, IQ4_NL's levels (looked up by vpshufb). vpmaddubsw multiplies unsigned by
+// signed bytes, so |c| goes in unsigned and the activations take c's sign (vpsignb): a pair of products is at most
+// 2 x 128 x 127, inside int16 (an offset code, c + 128, would not be); vpmaddwd (or AVX-VNNI's vpdpbusd) sums 4
+// products into each of 8 int32 lanes, exactly. Per block and activation row the lanes take d dx in float. (The
+// prefill's tiles hold the 4- and 5-bit types' codes unsigned instead: kBias32.)
 //
 // Decode reads a row's blocks where they lie, up to 8 activation rows a pass. Prefill opens up to 16 weight rows into
 // tiles of 8 (Rows32), one int32 lane per row, so that the float scales apply once per 32 codes and 8 rows, and passes
@@ -204,9 +204,9 @@ inline void transpose8(__m256i* v) {
 }
 
 // Up to 16 weight rows opened for the prefill as two tiles of 8: per block k and 4 codes j, one vector of the 8 rows'
-// 4 codes (c [tile][K / 4][8][4]: kSigned32's signed, the others' unsigned, see kBias32), so that one vpmaddubsw multiplies
-// 4 codes of 8 rows by 4 activations broadcast, with the rows' d (and m) per block [tile][nb][8]: the scales then
-// apply once per 32 codes and 8 rows.
+// 4 codes (c [tile][K / 4][8][4]: kSigned32's signed, the others' unsigned, see kBias32), so that one vpmaddubsw
+// multiplies 4 codes of 8 rows by 4 activations broadcast, with the rows' d (and m) per block [tile][nb][8]: the
+// scales then apply once per 32 codes and 8 rows.
 struct Rows32 {
   std::vector<int8_t> c, rowwise;  // rowwise: [rows][K] as opened, before the tiles
   std::vector<float> d, m;
