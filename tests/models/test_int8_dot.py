@@ -164,7 +164,7 @@ def test_a_short_tile_of_32_weight_blocks_ends_its_group(prefill_path):
 @pytest.mark.parametrize("qtype, panels",  # (of these types only Q4_0 rows go into panels)
                          [(t, False) for t in BLOCK32] + [(t, True) for t in BLOCK32 if t in packed.panel_types()],
                          ids=lambda v: v.name if isinstance(v, Q) else ("panels" if v else "file-rows"))
-@pytest.mark.parametrize("out_rows", [37, 83], ids=lambda n: f"out{n}")  # tiles of 16: 2 + 5 rows; 5 + 3 rows
+@pytest.mark.parametrize("out_rows", [37, 83], ids=lambda n: f"out{n}")  # AVX2 tiles of 32: 32 + 5 rows; 64 + 19
 def test_32_weight_blocks(qtype, rows, out_rows, panels, prefill_path):
     """Q4_0, Q4_1, Q5_0, Q5_1 (and Q8_0; IQ4_NL in the AVX2 builds) matrices as decode (up to 8 activation rows)
     and prefill multiply them: activations rounded per 32 (llama.cpp's Q8_0), the _1 types' offsets times the

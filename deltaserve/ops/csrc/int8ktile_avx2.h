@@ -55,16 +55,22 @@ struct KTile8 {
     }
   }
 
-  // y[m][0 .. rows) (ldy apart) for activation rows m of xq (quantize_rows of M rows); STEPS: see the top
+  // y[m][8 t .. 8 t + tiles[t].rows) (ldy apart) for activation rows m of xq (quantize_rows of M rows), tiles in
+  // turn for each 4 rows of xq, so that those stay in L1 across the tiles (one tile at a time over all of xq read it
+  // from L3 at every tile where it outgrows L2: 512 x 3584 activations are 2 MB); STEPS: see the top
   // SIGNED: codes are signed bytes (IQ4_XS's levels where int8dot.h's kIQ4Signed): |code| into vpmaddubsw, the
   // activations given the code's sign (a pair of products then reaches 2 x 127 x 127: STEPS 1)
   template <int STEPS, bool SIGNED = false>
-  void run(const XBlock* xq, int64_t M, float* y, int64_t ldy) const {
-    for (int64_t g = 0; g < M; g += 4) switch (std::min<int64_t>(4, M - g)) {
-        case 1: rows_of<1, STEPS, SIGNED>(xq, M, g, y + g * ldy, ldy); break;
-        case 2: rows_of<2, STEPS, SIGNED>(xq, M, g, y + g * ldy, ldy); break;
-        case 3: rows_of<3, STEPS, SIGNED>(xq, M, g, y + g * ldy, ldy); break;
-        default: rows_of<4, STEPS, SIGNED>(xq, M, g, y + g * ldy, ldy);
+  static void run(const KTile8* tiles, int64_t count, const XBlock* xq, int64_t M, float* y, int64_t ldy) {
+    for (int64_t g = 0; g < M; g += 4)
+      for (int64_t t = 0; t < count; ++t) {
+        float* out = y + g * ldy + 8 * t;
+        switch (std::min<int64_t>(4, M - g)) {
+          case 1: tiles[t].rows_of<1, STEPS, SIGNED>(xq, M, g, out, ldy); break;
+          case 2: tiles[t].rows_of<2, STEPS, SIGNED>(xq, M, g, out, ldy); break;
+          case 3: tiles[t].rows_of<3, STEPS, SIGNED>(xq, M, g, out, ldy); break;
+          default: tiles[t].rows_of<4, STEPS, SIGNED>(xq, M, g, out, ldy);
+        }
       }
   }
 
@@ -94,6 +100,7 @@ struct KTile8 {
               __m256i xv = q8::broadcast4(xb[i]->q + 4 * step);
               if (SIGNED) xv = _mm256_sign_epi8(xv, cv);
               p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(mag, xv));
+              asm("" : "+x"(p[i]));  // the sums in step order: GCC's reassociated tree held every product and spilled
             }
           }
           for (int i = 0; i < MB; ++i) s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p[i], scv));

@@ -9,7 +9,7 @@
 // products into each of 8 int32 lanes, exactly. Per block and activation row the lanes take d dx in float. (The
 // prefill's tiles hold the 4- and 5-bit types' codes unsigned instead: kBias32.)
 //
-// Decode reads a row's blocks where they lie, up to 8 activation rows a pass. Prefill opens up to 16 weight rows into
+// Decode reads a row's blocks where they lie, up to 8 activation rows a pass. Prefill opens up to 32 weight rows into
 // tiles of 8 (Rows32), one int32 lane per row, so that the float scales apply once per 32 codes and 8 rows, and passes
 // every 4 activation rows over them (the tiles stay in L1 / L2).
 #pragma once
@@ -203,7 +203,7 @@ inline void transpose8(__m256i* v) {
   }
 }
 
-// Up to 16 weight rows opened for the prefill as two tiles of 8: per block k and 4 codes j, one vector of the 8 rows'
+// Up to 32 weight rows opened for the prefill as tiles of 8: per block k and 4 codes j, one vector of the 8 rows'
 // 4 codes (c [tile][K / 4][8][4]: kSigned32's signed, the others' unsigned, see kBias32), so that one vpmaddubsw
 // multiplies 4 codes of 8 rows by 4 activations broadcast, with the rows' d (and m) per block [tile][nb][8]: the
 // scales then apply once per 32 codes and 8 rows.
@@ -302,7 +302,10 @@ struct Rows32 {
           const __m256i cv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 256 * k + 32 * j));
           const __m256i mag = _mm256_sign_epi8(cv, cv);
 #pragma GCC unroll 4
-          for (int i = 0; i < MB; ++i) sum[i] = _mm256_add_epi32(sum[i], dot32(cv, mag, broadcast4(xk + i * K + 4 * j)));
+          for (int i = 0; i < MB; ++i) {
+            sum[i] = _mm256_add_epi32(sum[i], dot32(cv, mag, broadcast4(xk + i * K + 4 * j)));
+            asm("" : "+x"(sum[i]));  // in step order, as below
+          }
         }
       } else {
 #pragma GCC unroll 2
@@ -313,7 +316,10 @@ struct Rows32 {
           for (int j = j0; j < j0 + kPairs16; ++j) {
             const __m256i cv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 256 * k + 32 * j));
 #pragma GCC unroll 4
-            for (int i = 0; i < MB; ++i) p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(cv, broadcast4(xk + i * K + 4 * j)));
+            for (int i = 0; i < MB; ++i) {
+              p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(cv, broadcast4(xk + i * K + 4 * j)));
+              asm("" : "+x"(p[i]));  // in step order (GCC's tree of the sums held every product: spills)
+            }
           }
           for (int i = 0; i < MB; ++i) sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(p[i], _mm256_set1_epi16(1)));
         }

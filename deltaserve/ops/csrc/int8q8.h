@@ -331,10 +331,10 @@ inline void linear_q8_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale
     }
   });
 #elif defined(__AVX2__)
-  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t lo, int64_t hi) {  // prefill: 16 weight rows at a time
+  at::parallel_for(0, (N + 31) / 32, 1, [&](int64_t lo, int64_t hi) {  // prefill: 32 weight rows at a time
     Rows32 tile;
     for (int64_t t = lo; t < hi; ++t) {
-      const int64_t n0 = 16 * t, rows = std::min<int64_t>(16, N - n0);
+      const int64_t n0 = 32 * t, rows = std::min<int64_t>(32, N - n0);
       tile.reset(kq::Q8_0, rows, K);
       for (int64_t r = 0; r < rows; ++r) tile.open_q8(r, wp + (n0 + r) * K, sp + (n0 + r) * nb);
       tile.run(a, yp + n0, N);
