@@ -48,7 +48,8 @@ def test_bench_kernels_reports_rates_within_the_measured_peaks(tmp_path):
     for k in r["kernels"]:
         # a kernel never beats the machine: a rate well above its peak means the probe (or the count) is wrong; the
         # decode rows and the read peak stream 4x the L3, so this holds for them too where a VM reports a 480 MB L3
-        assert 0 < k["rate"] <= 1.25 * r["peaks"][k["peak"]], k
+        # (torch.mm outside a native build runs on the CPU's widest vectors: at most twice the build's)
+        assert 0 < k["rate"] <= 1.25 * r["peaks"][k["peak"] or "fma_gflops"] * (1 if k["peak"] else 2), k
 
 
 def _cache_dir(root: Path, sizes: dict) -> Path:
