@@ -51,6 +51,7 @@ def _worker_deltaserve(args) -> dict:
     import torch
 
     from deltaserve.engine.llm import LLM
+    from deltaserve.engine.sampling import argmax_rows
 
     imported = peak_rss_mb()  # the interpreter, torch and our modules, before the model
     torch.set_num_threads(args.threads)
@@ -73,7 +74,7 @@ def _worker_deltaserve(args) -> dict:
     _, logits = prefill(_prompt(512, vocab))
     t = time.perf_counter()
     for _ in range(args.decode):
-        token = int(logits[0].argmax())
+        token = argmax_rows(logits[:1])[0]  # (numpy's, as the llama.cpp worker's below)
         logits = runner.forward([0], [[token]])
     out["decode"] = args.decode / (time.perf_counter() - t)
     out["kernels"] = _kernels(llm.model)

@@ -4,13 +4,23 @@
 import pytest
 import torch
 
-from deltaserve.engine.sampling import SamplingParams, filter_logits, sample
+from deltaserve.engine.sampling import SamplingParams, argmax_rows, filter_logits, sample
 
 LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1]))
 
 
 def kept(logp):
     return (logp > float("-inf")).tolist()
+
+
+def test_greedy_takes_the_first_largest_and_a_nan_as_torch_does():
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor([[1.0, 3.0, 3.0, 2.0], [1.0, nan, 5.0, nan], [-inf, -inf, -inf, -inf], [0.0, -1.0, inf, inf]])
+    assert argmax_rows(rows) == [1, 1, 0, 2]  # by hand: first maximum; a NaN is the maximum; all equal -> 0
+    assert argmax_rows(rows) == rows.argmax(-1).tolist() == argmax_rows(rows.double())  # (numpy's path and torch's)
+    assert argmax_rows(rows.t().contiguous().t()) == [1, 1, 0, 2]  # a strided view
+    with torch.inference_mode():
+        assert argmax_rows(rows.clone()) == [1, 1, 0, 2]
 
 
 def test_temperature_only_is_softmax_of_scaled_logits():
