@@ -241,7 +241,7 @@ def test_build_without_vbmi():
 @pytest.mark.parametrize("arch, quant, nearer, bound", [("qwen35", "Q4_K_M", 4, 5e-2), ("qwen35moe", "Q4_K_M", 4, 5e-2),
                                                         ("qwen35", "Q3_K_M", 4, 5e-2), ("qwen35", "Q2_K", 4, 5e-2),
                                                         ("qwen35", "Q4_0", 2, 5e-2), ("qwen35moe", "Q4_0", 2, 5e-2),
-                                                        ("qwen35", "IQ4_NL", 2, 1e-1)])
+                                                        ("qwen35", "IQ4_NL", 1.5, 1e-1)])
 def test_k_quant_model_matches_llama_cpp(arch, quant, nearer, bound, tmp_path, monkeypatch):
     """Last-token logits near llama.cpp's on a file its own quantiser wrote, much nearer than with float32
     activations: both engines round activations to Q8_K. These random tiny models amplify a single rounding
@@ -251,7 +251,10 @@ def test_k_quant_model_matches_llama_cpp(arch, quant, nearer, bound, tmp_path, m
     qwen35moe parts at token 25 with a margin of 3.5e-2). A Q4_0 file's activations are rounded per 32 (Q8_0), finer
     than per 256, so float32 ones are nearer there: 4.1e-2 against 0.12 (its row panels and the rows as the file
     holds them give the same bits). IQ4_NL (same rounding) sits further off at every prefix: 1.5e-2 to 7.7e-2
-    (Q4_0's file 1.8e-2 to 4.1e-2) against 0.16 with float32 activations; why is not found, so its bound is 1e-1."""
+    (Q4_0's file 1.8e-2 to 4.1e-2) against 0.15-0.16 with float32 activations. Not a difference of arithmetic: llama.cpp's
+    repacked iq4_nl_8x8 GEMM runs ours (an emulation of it in torch gives our logits exactly); its repacked and
+    unrepacked paths are 7.3e-2 apart on this file, and ours is 3.0e-2 from the unrepacked one. A single activation
+    code rounded the other way early grows into that gap here, so its bound is 1e-1 and 1.5x nearer."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
     from deltaserve.convert import make_model
     from deltaserve.engine.llm import LLM
