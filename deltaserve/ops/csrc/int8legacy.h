@@ -214,8 +214,7 @@ struct Tile32 {
 #if defined(__AVX512BW__)
   // the 16 rows of a Q4_0 row panel (panels.h: a head of the blocks' d, then 4 runs of 64 bytes a block) straight into
   // the tile's layout: run j holds bytes 4j .. 4j + 3 of each row's qs at 32-bit lane r, whose low nibbles are row r's
-  // dword j of the block and whose high nibbles its dword 4 + j. (Scattering them into rows for Q8Tile::open to
-  // gather back cost more than the products on AMD Zen 4, where both are microcoded.)
+  // dword j of the block and whose high nibbles its dword 4 + j (no detour through rows for Q8Tile::open to gather).
   void open_q40_panel(const uint8_t* panel, int64_t K) {
     offsets_ = false;
     const int64_t nb = K / 32;

@@ -84,8 +84,8 @@ inline double probe_int8(int64_t iters, int64_t reps) {
     sink = _mm512_reduce_add_epi32(acc[0]);
     constexpr int lanes = 64;
 #elif defined(__AVX2__)
-    // the multiply unit's rate: each chain's products are its next operand (a product of two constants, as
-    // before, was hoisted out of the loop, and the sums' vpaddd timed in its place: 1.5x the real rate)
+    // the multiply unit's rate: each chain's products are its next operand (with two constant operands the compiler
+    // hoists the product out of the loop and the adds are timed instead, 1.3x the real rate)
     __m256i acc[kChains];
     const __m256i b = _mm256_set1_epi8(-2);
     for (int c = 0; c < kChains; ++c) acc[c] = _mm256_set1_epi32(c);
