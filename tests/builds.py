@@ -19,8 +19,8 @@ def run_in_build(test_file: str, march: str, select: str, needs: str = "avx512f"
         pytest.skip(f"no {needs} here: this machine's own build already runs a fallback path")
     env = dict(os.environ, DELTASERVE_MARCH=march)
     if check is not None:
-        done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=1100)
         assert done.returncode == 0, done.stderr[-2000:]
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file, "-k", select],
-                          env=env, capture_output=True, text=True)
+                          env=env, capture_output=True, text=True, timeout=1100)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]

@@ -7,6 +7,7 @@ is available, `available()` is False and "auto" dispatch uses the torch paths in
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -30,33 +31,54 @@ def extension():
     cpu = platform.processor() + _cpu_flags() + ("" if march == "native" else march)
     tag = hashlib.sha256(source + cpu.encode() + torch.__version__.encode() + b"omp").hexdigest()[:12]
     build = Path(os.environ.get("DELTASERVE_CACHE", Path.home() / ".cache" / "deltaserve")) / f"cpu_kernels_{tag}"
-    name = f"deltaserve_cpu_kernels_{tag}"
-    built = build / f"{name}.so"
-    if built.is_file():  # built before from exactly this source for this CPU and torch: no builder needed
-        try:  # (importing torch's builder and its ninja check cost ~0.5 s and 5 MB a process)
-            spec = importlib.util.spec_from_file_location(name, built)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return module
-        except ImportError:  # half-written by a concurrent build: the builder waits for it
-            pass
-    from torch.utils import cpp_extension
+    return build_once(build, f"deltaserve_cpu_kernels_{tag}", _CSRC / "module.cpp",
+                      ["-O3", f"-march={march}", "-ffast-math", "-fopenmp"], what="the CPU kernels for this processor")
 
+
+def build_once(build: Path, name: str, source: Path, cflags: list[str], what: str):
+    """The extension `name` compiled from `source` into `build`, or loaded from there when built before. One process
+    compiles while the others wait, and a build that was killed (Ctrl-C during the first minute, a session ending)
+    never blocks the next: torch's builder guards `build` with a plain lock file that a killed build leaves behind,
+    and then waits on it forever; our lock is the kernel's (flock), released with its holder, so a torch lock file
+    found while holding it is stale and is removed."""
+    built = build / f"{name}.so"
+    if built.is_file():  # built before: no builder needed (importing it and its ninja check cost ~0.5 s, 5 MB)
+        module = _load(built, name)
+        if module is not None:
+            return module
     build.mkdir(parents=True, exist_ok=True)
-    # A fresh machine compiles for 35-95 s here, often mid-generation: say so, or it looks like a hang.
-    print("deltaserve: compiling the CPU kernels for this processor (once per CPU and version: about a minute,"
-          f" cached in {build})", file=sys.stderr, flush=True)
-    start = time.monotonic()
-    module = cpp_extension.load(
-        name=name,
-        sources=[str(_CSRC / "module.cpp")],
-        extra_cflags=["-O3", f"-march={march}", "-ffast-math", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build),
-        verbose=False,
-    )
-    print(f"deltaserve: CPU kernels ready ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
-    return module
+    with open(build / "deltaserve.lock", "a") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"deltaserve: waiting for another process compiling {what} in {build}", file=sys.stderr, flush=True)
+            fcntl.flock(held, fcntl.LOCK_EX)
+        if built.is_file():  # the process we waited for built it
+            module = _load(built, name)
+            if module is not None:
+                return module
+        (build / "lock").unlink(missing_ok=True)
+        from torch.utils import cpp_extension
+
+        # A fresh machine compiles for 35-95 s here, often mid-generation: say so, or it looks like a hang.
+        print(f"deltaserve: compiling {what} (once per CPU and version: about a minute, cached in {build})",
+              file=sys.stderr, flush=True)
+        start = time.monotonic()
+        module = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags,
+                                    extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+        print(f"deltaserve: {what} ready ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
+        return module
+
+
+def _load(path: Path, name: str):
+    """The extension module at `path`, or None where it cannot be imported (a half-written or foreign file)."""
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except ImportError:
+        return None
 
 
 def _cpu_flags() -> str:
