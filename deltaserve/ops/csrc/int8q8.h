@@ -167,7 +167,7 @@ struct Q8Tile {
 
 // y[m][n0 .. n0 + rows) for activation rows m0 .. m0 + MB
 template <int MB>
-inline void q8_tile(const Q8Tile& t, const Q8Acts& a, int64_t m0, float* y, int64_t ldy, int64_t rows) {
+[[gnu::noinline]] inline void q8_tile(const Q8Tile& t, const Q8Acts& a, int64_t m0, float* y, int64_t ldy, int64_t rows) {
   const int64_t nb = a.nb, K = a.K;
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
