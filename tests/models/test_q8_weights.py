@@ -86,11 +86,12 @@ int8_kernels = pytest.mark.skipif(not (fused.available() and fused.extension().q
                                   reason="this build has no Q8_0 integer kernels (AVX-512 VNNI or AVX2)")
 
 
-# decode: a row at a time for up to 8 activation rows (K = 96: a pair of blocks and one alone); above, tiles of
+# decode: a row at a time for up to 8 activation rows (K = 96: a pair of blocks and one alone; 544: 8 pairs of a
+# vector of 16 scales, then one alone; 1088: two such vectors of pairs and one of a pair); above, tiles of
 # 16 weight rows (37 rows: two full, one of 5), on AMX tiles (16 activation rows a tile: 40 = two and 8; weight
 # tiles 4 to a group: 37 rows = one group of 3) and on the AVX-512 registers
 @int8_kernels
-@pytest.mark.parametrize("K", [96, 544], ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("K", [96, 544, 1088], ids=lambda k: f"K{k}")
 @pytest.mark.parametrize("out_rows", [1, 37], ids=lambda n: f"out{n}")
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 40], ids=lambda r: f"rows{r}")
 def test_int8_kernels_match_the_rounded_activations(rows, out_rows, K, prefill_path):

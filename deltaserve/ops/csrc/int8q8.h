@@ -7,10 +7,10 @@
 // vpdpbusd multiplies unsigned by signed bytes: the weights go in with their sign bit flipped (qw + 128, one
 // XOR), and 128 x the block's sum of qx is taken off again in the integer sum (exact: it starts there).
 // Decode (M <= kQ8Rows): a row at a time, 64 weights a vpdpbusd, the two blocks' float factors per lane from a
-// permute of 16 weight scales and the activation scales stored 8 to a block. Prefill: tiles of 16 rows
-// interleaved per call into 4-byte runs, each vpdpbusd multiplying 4 weights of 16 rows by 4 broadcast
-// activations (int32 lane per row), a block's float factors once per 32 (int8gemm.h's scheme for K-quants); where
-// AMX runs, the same tiles of 16 rows are tdpbsud's weight tiles (q8_amx_rows: the same bits).
+// permute of 16 weight scales and the activation scales stored 8 to a block; 16 rows' lane sums added at once.
+// Prefill: tiles of 16 rows interleaved per call into 4-byte runs, each vpdpbusd multiplying 4 weights of 16 rows
+// by 4 broadcast activations (int32 lane per row), a block's float factors once per 32 (int8gemm.h's scheme for
+// K-quants); where AMX runs, the same tiles of 16 rows are tdpbsud's weight tiles (q8_amx_rows: the same bits).
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -42,48 +42,78 @@ inline __m512 f16x16(const at::Half* p, int64_t n) {  // n <= 16 scales, the res
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p));
 }
 
-// out[m] = row (q int8 [K], scales [nb]) . activation row m, MB rows
-template <int MB>
-inline void q8_row(const int8_t* w, const at::Half* ws, const Q8Acts& a, int64_t m0, float* out) {
-  const int64_t K = a.K, nb = a.nb;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t k0 = 0; k0 < nb; k0 += 16) {  // 16 blocks: one vector of weight scales
-    const int64_t blocks = std::min<int64_t>(16, nb - k0);
-    const __m512 dw = f16x16(ws + k0, blocks);
-    for (int64_t p = 0; p < blocks; p += 2) {  // two blocks: lanes 0..7 block k0 + p, 8..15 the next
-      const int64_t k = k0 + p;
-      const __mmask64 keep = p + 1 < blocks ? ~__mmask64{0} : 0xFFFFFFFFull;
-      const int8_t* wp = w + 32 * k;
-      _mm_prefetch(reinterpret_cast<const char*>(wp) + kGemvPrefetch, _MM_HINT_T1);
-      const __m512i v = _mm512_xor_si512(_mm512_maskz_loadu_epi8(keep, wp), flip);
-      const __m512 s = _mm512_permutexvar_ps(_mm512_setr_epi32(p, p, p, p, p, p, p, p, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1), dw);
+// One step of q8_row: blocks k, k + 1 of a weight row (One: block k alone, the row's last) times MB activation
+// rows. Lanes 0..7 of a vpdpbusd hold block k, 8..15 block k + 1; `pair` picks those two blocks' weight scales from
+// dw (16 blocks a vector).
+template <int MB, bool One>
+inline void q8_pair(const int8_t* w, __m512 dw, __m512i pair, const Q8Acts& a, int64_t k, __m512 (&acc)[MB]) {
+  constexpr __mmask64 keep = One ? 0xFFFFFFFFull : ~__mmask64{0};
+  constexpr __mmask16 lanes = One ? 0xFF : 0xFFFF;
+  const int8_t* wp = w + 32 * k;
+  _mm_prefetch(reinterpret_cast<const char*>(wp) + kF16Prefetch, _MM_HINT_T1);
+  const __m512i v = _mm512_xor_si512(One ? _mm512_maskz_loadu_epi8(keep, wp) : _mm512_loadu_si512(wp),
+                                     _mm512_set1_epi8(static_cast<char>(0x80)));
+  const __m512 s = _mm512_permutexvar_ps(pair, dw);
 #pragma GCC unroll 8
-      for (int m = 0; m < MB; ++m) {
-        const int64_t row = (m0 + m) * nb + k;
-        const __m512i xv = _mm512_maskz_loadu_epi8(keep, a.q.data() + (m0 + m) * K + 32 * k);
-        const __mmask16 lanes = p + 1 < blocks ? 0xFFFF : 0xFF;
-        const __m512i sum = _mm512_dpbusd_epi32(_mm512_maskz_loadu_epi32(lanes, a.starts.data() + row * 8), v, xv);
-        const __m512 dx = _mm512_maskz_loadu_ps(lanes, a.dl.data() + row * 8);
-        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), dx), s, acc[m]);
-      }
-    }
+  for (int m = 0; m < MB; ++m) {
+    const int64_t at = m * a.nb + k;
+    const int8_t* xp = a.q.data() + m * a.K + 32 * k;
+    const __m512i xv = One ? _mm512_maskz_loadu_epi8(keep, xp) : _mm512_loadu_si512(xp);
+    const __m512i st = One ? _mm512_maskz_loadu_epi32(lanes, a.starts.data() + at * 8) : _mm512_loadu_si512(a.starts.data() + at * 8);
+    const __m512 dx = One ? _mm512_maskz_loadu_ps(lanes, a.dl.data() + at * 8) : _mm512_loadu_ps(a.dl.data() + at * 8);
+    acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(st, v, xv)), dx), s, acc[m]);
   }
-  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
 
-inline void q8_rows(int64_t mb, const int8_t* w, const at::Half* ws, const Q8Acts& a, int64_t m0, float* out) {
-  switch (mb) {
-    case 1: return q8_row<1>(w, ws, a, m0, out);
-    case 2: return q8_row<2>(w, ws, a, m0, out);
-    case 3: return q8_row<3>(w, ws, a, m0, out);
-    case 4: return q8_row<4>(w, ws, a, m0, out);
-    case 5: return q8_row<5>(w, ws, a, m0, out);
-    case 6: return q8_row<6>(w, ws, a, m0, out);
-    case 7: return q8_row<7>(w, ws, a, m0, out);
-    default: return q8_row<8>(w, ws, a, m0, out);
+// The weight scales are a stream of their own beside the codes (64 bytes a row of 1024), which the hardware's
+// prefetchers left to miss: prefetched this many rows ahead, a cold 6144 x 1024 GEMV went from 34-44 to 58-68 GB/s
+// on Zen 5's two cores (one core: 0.7 -> 1.0x the float16 GEMV's rate).
+constexpr int64_t kQ8ScaleRows = 8;
+
+// acc[m] (lanes to be summed) = a weight row (q int8 [K], scales [nb]) . activation row m (the first MB of a), 64
+// weights a vpdpbusd
+template <int MB>
+inline void q8_row(const int8_t* w, const at::Half* ws, const Q8Acts& a, __m512 (&acc)[MB]) {
+  const int64_t nb = a.nb;
+  const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), two = _mm512_set1_epi32(2);
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < nb; k0 += 16) {
+    const int64_t blocks = std::min<int64_t>(16, nb - k0);
+    _mm_prefetch(reinterpret_cast<const char*>(ws + k0 + kQ8ScaleRows * nb), _MM_HINT_T0);
+    const __m512 dw = f16x16(ws + k0, blocks);
+    __m512i pair = first;
+    int64_t p = 0;
+    for (; p + 1 < blocks; p += 2, pair = _mm512_add_epi32(pair, two)) q8_pair<MB, false>(w, dw, pair, a, k0 + p, acc);
+    if (p < blocks) q8_pair<MB, true>(w, dw, pair, a, k0 + p, acc);
   }
+}
+
+// y[m][n] (N apart) for weight rows n0 .. n1 and the M = MB <= kQ8Rows activation rows of a: a row at a time (one
+// stream from memory: rows read side by side, sharing their activation loads, streamed slower), each 16 rows' lane
+// sums added at once (gemv.h's sum16)
+template <int MB>
+inline void q8_decode(const int8_t* w, const at::Half* ws, const Q8Acts& a, int64_t n0, int64_t n1, int64_t N, float* y) {
+  const int64_t K = a.K, nb = a.nb;
+  for (int64_t n = n0; n < n1; n += 16) {
+    const int64_t rows = std::min<int64_t>(16, n1 - n);
+    __m512 lanes[MB][16];
+    for (int64_t j = 0; j < 16; ++j) {
+      __m512 acc[MB];
+      if (j < rows) q8_row<MB>(w + (n + j) * K, ws + (n + j) * nb, a, acc);
+      else
+        for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+      for (int m = 0; m < MB; ++m) lanes[m][j] = acc[m];
+    }
+    for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(y + m * N + n, static_cast<__mmask16>((1u << rows) - 1), sum16(lanes[m]));
+  }
+}
+
+inline void q8_decode_rows(int64_t M, const int8_t* w, const at::Half* ws, const Q8Acts& a, int64_t n0, int64_t n1,
+                           int64_t N, float* y) {
+  using Fn = void (*)(const int8_t*, const at::Half*, const Q8Acts&, int64_t, int64_t, int64_t, float*);
+  static constexpr Fn by_rows[kQ8Rows] = {q8_decode<1>, q8_decode<2>, q8_decode<3>, q8_decode<4>,
+                                          q8_decode<5>, q8_decode<6>, q8_decode<7>, q8_decode<8>};
+  by_rows[M - 1](w, ws, a, n0, n1, N, y);
 }
 
 // Q8_0 rows as a GGUF file holds them, blocks of 34 bytes (float16 d, then 32 codes): the rows of that type in a
@@ -292,11 +322,15 @@ inline void linear_q8_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale
   if (M <= kQ8Rows) {  // decode: a row at a time, from memory once
     at::parallel_for(0, N, std::max<int64_t>(1, (64 << 10) / K), [&](int64_t lo, int64_t hi) {
       const ShareClock clock(hi - lo);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      q8_decode_rows(M, wp, sp, a, lo, hi, N, yp);
+#else
       for (int64_t n = lo; n < hi; ++n) {
         float sums[kQ8Rows];
         q8_rows(M, wp + n * K, sp + n * nb, a, 0, sums);
         for (int64_t m = 0; m < M; ++m) yp[m * N + n] = sums[m];
       }
+#endif
     });
     return;
   }
