@@ -166,7 +166,6 @@ inline void file_rows32(int64_t M, const uint8_t* row, const Q8Acts& a, float* o
 inline void q8_rows(int64_t mb, const int8_t* w, const at::Half* ws, const Q8Acts& a, int64_t m0, float* out) {
   dot_rows32<false>(mb, a, m0, [&](int64_t k) {
     _mm_prefetch(reinterpret_cast<const char*>(w + 32 * k) + kGemvPrefetch, _MM_HINT_T0);
-    if (k % 16 == 0) _mm_prefetch(reinterpret_cast<const char*>(ws + k + 8 * a.nb), _MM_HINT_T0);  // (int8q8.h: kQ8ScaleRows)
     return Block32{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * k)), static_cast<float>(ws[k]), 0.f};
   }, out);
 }
