@@ -33,18 +33,26 @@ inline __m512i dot_pairs(__m512i acc, __m512i a, __m512i b) {
 #endif
 }
 
-// The panel kernels prefetch their stream into L2 (T1: prefetches into L1 are capped by its fill buffers) 4 KB ahead
-// (4 beat 1-3 and 5-8 here, on 2 MB pages), a code run's line as the run is read: the same prefetches issued a block
-// at a time (36 for Q4_K, then its 64 vpdpbusd) streamed 22.3 GB/s where spread among the loads 26.4 (cold Q4_K,
-// two Xeon cores). A block's first bytes (its scales, which every run's sums need) are prefetched as it starts.
-constexpr int64_t kPanelPrefetch = 4096;
+// The panel kernels prefetch their stream into L2 (T1: prefetches into L1 are capped by its fill buffers) a distance
+// ahead, a code run's line as the run is read: the same prefetches issued a block at a time (36 for Q4_K, then its 64
+// vpdpbusd) streamed 22.3 GB/s where spread among the loads 26.4 (cold Q4_K, two Xeon cores). A block's first bytes
+// (its scales, which every run's sums need) are prefetched as it starts. The distance must cover memory's latency in
+// the time a core takes to read it: 4 KB on the Xeon (4 beat 1-3 and 5-8 there), 8 KB on AMD, whose Zen 5 cores go
+// through a block faster (one core, cold rows, against the float16 GEMV in the same process: Q4_K 0.63-0.67 -> 0.72-0.73,
+// Q5_K 0.56-0.63 -> 0.66-0.74, Q3_K 0.60-0.69 -> 0.74-0.89, IQ4_XS 0.86-0.99 -> 1.03-1.08, Q4_0 0.61-0.71 ->
+// 0.68-0.74); Q6_K's, three runs a block, stream faster at 4 KB there too (0.69-0.88 against 0.63-0.68).
+constexpr int64_t kPanelNear = 4096;
+inline const int64_t kPanelAhead = __builtin_cpu_is("amd") ? 8192 : kPanelNear;
 
+template <bool Near = false>
 inline void prefetch_span(const uint8_t* p, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kPanelPrefetch + o, _MM_HINT_T1);
+  const int64_t ahead = Near ? kPanelNear : kPanelAhead;
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + ahead + o, _MM_HINT_T1);
 }
 
+template <bool Near = false>
 inline __m512i load_run(const uint8_t* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p) + kPanelPrefetch, _MM_HINT_T1);
+  _mm_prefetch(reinterpret_cast<const char*>(p) + (Near ? kPanelNear : kPanelAhead), _MM_HINT_T1);
   return _mm512_loadu_si512(p);
 }
 
@@ -154,8 +162,8 @@ inline void panel_q6k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t
         for (int l = 0; l < 4; ++l) {
           const int l4 = 4 * half + l;
           const uint8_t* run = p + (2 * n + half) * 832 + l * 192;  // ql (quarters 0, 2), ql + 32 (1, 3), qh
-          if (l == 0) prefetch_span(p + (2 * n + half) * 832 + 768, 64);  // the section's scales
-          const __m512i a = load_run(run), c = load_run(run + 64), h = load_run(run + 128);
+          if (l == 0) prefetch_span<true>(p + (2 * n + half) * 832 + 768, 64);  // the section's scales
+          const __m512i a = load_run<true>(run), c = load_run<true>(run + 64), h = load_run<true>(run + 128);
           // quarter q of the half: a nibble of a (q even) or c (odd), high bits 2q, 2q + 1 of h at bits 4, 5
           __m512i codes[4];
           codes[0] = _mm512_ternarylogic_epi32(a, m4, _mm512_and_si512(_mm512_slli_epi16(h, 4), m30), 0xEA);
