@@ -52,6 +52,7 @@ class CacheManager:
         self.hits = 0  # prompts that restored a checkpoint
         self._wanted: list[set[int]] = [set() for _ in range(n_slots)]  # marked positions still to reach
         self._prompt_len = [0] * n_slots  # of each slot's current request
+        self._owed = [False] * n_slots  # the slot holds an answer's end not checkpointed yet (see release)
         self._last_used = [0] * n_slots
         self._clock = 0
 
@@ -91,6 +92,7 @@ class CacheManager:
         end = mark.end if mark is not None else path[-1].end if path else 0
         if end > live(best):  # restore where the fewest KV rows must be copied, else into the oldest slot
             best = max(candidates, key=lambda s: (min(_common(self.history[s], prompt), end), -self._last_used[s]))
+            self._settle(best)
             try:
                 self._restore(best, prompt, path, mark)
             except BaseException:
@@ -99,6 +101,8 @@ class CacheManager:
         elif live(best) == 0:
             best = min(candidates, key=lambda s: self._last_used[s])
             self.reset(best)
+        else:  # its conversation came back to the live slot: the answer's end needs no checkpoint
+            self._owed[best] = False
         if slot is None:
             self.busy[best] = True
         held = len(self.history[best])
@@ -119,10 +123,12 @@ class CacheManager:
 
     def release(self, slot: int, checkpoint: bool = False) -> None:
         """The slot is free again; its state stays, so a prompt that extends it can continue from it.
-        checkpoint: also keep its state as a checkpoint (the end of an answer), for when the slot is reused
-        before the conversation comes back."""
-        if checkpoint and self.store is not None and self.history[slot]:
-            self._checkpoint(slot)
+        checkpoint: its state (the end of an answer) becomes a checkpoint once something else is about to
+        change it (another prompt, a reset, the checkpoints written to disk), for when the conversation comes
+        back after the slot was reused. Not now: the answer would wait for the copy (a 0.8B model's recurrent
+        state is 18 MB: 4 ms, and 70-100 ms where the memory it takes faults slowly), and a conversation that
+        comes back to its live slot never needs it."""
+        self._owed[slot] = checkpoint and self.store is not None and bool(self.history[slot])
         self._wanted[slot] = set()
         self.busy[slot] = False
         self._clock += 1
@@ -145,6 +151,7 @@ class CacheManager:
         return dst
 
     def reset(self, slot: int) -> None:
+        self._settle(slot)
         self._release_rows(slot, 0)
         self.state.reset([slot])
         self.history[slot] = []
@@ -212,6 +219,8 @@ class CacheManager:
     def save_checkpoints(self, folder, model) -> None:
         """Keep the prefix checkpoints in `folder` (cache/persist.py), to be loaded after a restart."""
         if self.store is not None:
+            for slot in range(self.n_slots):
+                self._settle(slot)
             persist.save(self.store, folder, persist.fingerprint(model))
 
     def load_checkpoints(self, folder, model) -> int:
@@ -267,6 +276,12 @@ class CacheManager:
         return self.history[slot]
 
     # ------------------------------------------------------------------ checkpoints
+    def _settle(self, slot: int) -> None:
+        """The checkpoint the slot owes (an answer's end, see release), taken before its state changes."""
+        if self._owed[slot]:
+            self._owed[slot] = False
+            self._checkpoint(slot)
+
     def _checkpoint(self, slot: int) -> None:
         """A checkpoint of the slot as it is: a block at a multiple of the interval, else a mark."""
         self.store.put_mark(self.history[slot], lambda a, b: self.state.read_kv(slot, a, b, copy=False),

@@ -186,10 +186,12 @@ def test_marked_positions_and_answer_ends_are_restored_exactly(arch, loaded):
     answer = rand(model, 6, seed=8)
     runner.forward([slot], [answer[:-1]])  # decoded tokens (the last one sampled, never fed)
     runner.release(slot, checkpoint=True)
-    assert runner.cache.store.checkpoints == 3 + 3  # blocks at 16, 32 and 48; marks at 41, 45 and 50
+    assert runner.cache.store.checkpoints == 3 + 2  # blocks at 16, 32 and 48; marks at 41 and 45
 
     stripped = turn[:41] + rand(model, 9, seed=9)  # the next prompt leaves the history at 41
-    slot, reused, logits = prefill(runner, stripped)
+    slot, reused = runner.acquire(stripped)
+    assert runner.cache.store.checkpoints == 3 + 3  # the answer's end (50) kept before the slot moved on
+    logits = runner.forward([slot], [stripped[reused:]], logits="all")[0]
     assert reused == 41 and runner.cache.hits == 1
     same(logits, fresh_logits(model, stripped)[41:])
     runner.release(slot)
@@ -198,6 +200,23 @@ def test_marked_positions_and_answer_ends_are_restored_exactly(arch, loaded):
     slot, reused, logits = prefill(runner, kept)
     assert reused == 50 and runner.cache.restored_tokens == 41 + 50
     same(logits, fresh_logits(model, kept)[50:])
+
+
+def test_a_conversation_back_in_its_live_slot_checkpoints_no_answer_end(loaded):
+    """An answer's end is copied only once the slot is about to serve something else (or the checkpoints go to
+    disk): the next turn of the same conversation continues the live state and the copy never happens."""
+    model, _ = loaded("qwen35")
+    runner = counted_runner(model, n_slots=1, max_len=128, cache_budget_mb=8)
+    turn = rand(model, 20, seed=13)
+    slot, _, _ = prefill(runner, turn)
+    answer = rand(model, 4, seed=14)
+    runner.forward([slot], [answer])
+    runner.release(slot, checkpoint=True)
+    held = runner.cache.store.checkpoints  # the block at 16
+    nxt = turn + answer + rand(model, 6, seed=15)
+    slot, reused, logits = prefill(runner, nxt)
+    assert reused == 24 and runner.cache.hits == 0 and runner.cache.store.checkpoints == held
+    same(logits, fresh_logits(model, nxt)[24:])
 
 
 def test_a_long_prompt_keeps_checkpoints_sparser_with_depth_and_dense_at_its_end(loaded):
