@@ -7,8 +7,8 @@ point where it leaves the cached tokens (the recurrent state saved there and the
 and only the rest is prefilled (checkpoints view the KV rows of the slot that took them until it writes over
 them, see _release_rows). A checkpoint is taken whenever a slot's length reaches a multiple of
 `interval` or a position its request marked (where the conversation may diverge next turn: the start
-of the assistant's turn, the end of the prompt), and at the end of an answer: the runner cuts its
-forward passes there, and `rollback` saves the interval ones it steps back over.
+of the assistant's turn, the end of the prompt): the runner cuts its forward passes there, and `rollback`
+saves the interval ones it steps back over. An answer's end is kept too, once its slot is about to change.
 """
 
 from __future__ import annotations
