@@ -14,7 +14,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 Q = GGMLQuantizationType
 _CHUNK_ELEMENTS = 1 << 18  # decoded at once: keeps the small integer temporaries in cache
-_FLOAT_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+FLOAT_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
 
 def _f16_at(b: torch.Tensor, byte: int) -> torch.Tensor:
@@ -175,7 +175,7 @@ _DECODERS = {
     Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k, Q.Q8_K: _q8_k, Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs,
     Q.MXFP4: _mxfp4,
 }
-SUPPORTED_TYPES = frozenset(_FLOAT_TYPES) | frozenset(_DECODERS)
+SUPPORTED_TYPES = frozenset(FLOAT_TYPES) | frozenset(_DECODERS)
 
 
 def check_supported(qtype: GGMLQuantizationType) -> GGMLQuantizationType:
@@ -216,8 +216,8 @@ def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int,
                          f"got {raw.numel()}")
     out = torch.empty(shape, dtype=torch.float32, device=raw.device)
     flat = raw.reshape(-1)
-    if qtype in _FLOAT_TYPES:
-        dtype = _FLOAT_TYPES[qtype]
+    if qtype in FLOAT_TYPES:
+        dtype = FLOAT_TYPES[qtype]
         if flat.storage_offset() % dtype.itemsize:  # a view needs aligned bytes
             flat = flat.clone()
         out.view(-1).copy_(flat.view(dtype))

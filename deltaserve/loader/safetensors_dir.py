@@ -147,15 +147,26 @@ class SafetensorsCheckpoint:
                                  "only", tensor=name)
         return self._read(name, start, end).view(-1, C).float()
 
-    def _read(self, name: str, start: int, end: int) -> torch.Tensor:
-        """Rows start:end (along the first axis) of tensor `name`, flat in its stored dtype, read with plain file
-        reads: the file is never mapped into this process, so its pages never count in its memory (a mapped
-        checkpoint's would, on top of the weights made from it)."""
+    def rows_into(self, name: str, start: int, end: int, out: torch.Tensor) -> None:
+        """Rows start:end of a tensor [R, C] written into `out` [end - start, C]: read straight into it where it
+        is contiguous in the stored dtype (no float32 copy on the way), else as load_rows gives them."""
+        if out.is_contiguous() and _TORCH_DTYPES.get(self.dtype(name)) == out.dtype:
+            self._read(name, start, end, out.view(-1).view(torch.uint8))
+        else:
+            out.copy_(self.load_rows(name, start, end))
+
+    def _read(self, name: str, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows start:end (along the first axis) of tensor `name`, flat in its stored dtype (into the uint8 `out`
+        where given), read with plain file reads: the file is never mapped into this process, so its pages never
+        count in its memory (a mapped checkpoint's would, on top of the weights made from it)."""
         shard, (shape, stored) = self._where[name], self._info[name]
         start, end = max(0, start), min(shape[0] if shape else 1, end)
         row = math.prod(shape[1:]) * _ITEM_BYTES[stored]
         begin = self._data_start[shard] + self._offsets[name] + start * row
-        out = torch.empty(max(0, end - start) * row, dtype=torch.uint8)
+        if out is None:
+            out = torch.empty(max(0, end - start) * row, dtype=torch.uint8)
+        elif out.numel() != max(0, end - start) * row:
+            raise ValueError(f"{name}: rows {start}:{end} are {max(0, end - start) * row} bytes, not {out.numel()}")
         with open(self.path / shard, "rb") as f:
             f.seek(begin)
             if f.readinto(out.numpy()) != out.numel():

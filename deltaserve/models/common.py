@@ -14,6 +14,7 @@ from deltaserve.models.state import HybridState
 from deltaserve.errors import DeltaserveError, ModelLoadError
 from deltaserve.loader.gguf_file import progress_bar
 from deltaserve.loader.memory import loading_memory, weight_empty
+from deltaserve.loader.quants import FLOAT_TYPES
 from deltaserve.models import packed
 from deltaserve.models.layers import Q8_BLOCK, Experts, Linear, linear, quantize_q8
 from deltaserve.models.weights import available, chosen, load_params, names
@@ -254,6 +255,24 @@ class Rows:
         for r in range(0, self.shape[0], self.BLOCK):
             yield r, self[r:r + self.BLOCK]
 
+    def stored_dtype(self) -> torch.dtype | None:
+        """The float dtype the file stores every row in (all parts _FileRows of one such dtype), else None."""
+        kinds = {read.stored_dtype() if isinstance(read, _FileRows) else None for read, _, _ in self.parts}
+        return kinds.pop() if len(kinds) == 1 else None
+
+    def into(self, out: torch.Tensor) -> torch.Tensor:
+        """The rows written into out [R, C] (any dtype), a source that can (see _FileRows) straight from the file."""
+        at = 0
+        for read, lo, hi in self.parts:
+            for r in range(lo, hi, self.BLOCK):
+                end = min(hi, r + self.BLOCK)
+                if isinstance(read, _FileRows):
+                    read.into(r, end, out[at:at + end - r])
+                else:
+                    out[at:at + end - r] = read(r, end)
+                at += end - r
+        return out
+
     def _parts(self, start: int, end: int):
         """The sources' row ranges that make up rows start:end."""
         out, at = [], 0
@@ -270,11 +289,30 @@ def dense(t: torch.Tensor | Rows) -> torch.Tensor:
     return t[:] if isinstance(t, Rows) else t
 
 
+class _FileRows:
+    """A checkpoint tensor's rows as a Rows source: float32 (called), or written into a tensor of any dtype (into)."""
+
+    def __init__(self, ckpt, name: str):
+        self.ckpt, self.name = ckpt, name
+
+    def __call__(self, start: int, end: int) -> torch.Tensor:
+        return self.ckpt.load_rows(self.name, start, end)
+
+    def into(self, start: int, end: int, out: torch.Tensor) -> None:
+        self.ckpt.rows_into(self.name, start, end, out)
+
+    def stored_dtype(self) -> torch.dtype | None:
+        """float16, bfloat16 or float32 where the file stores the tensor so, else None (quantised, float64)."""
+        if hasattr(self.ckpt, "qtype"):
+            return FLOAT_TYPES.get(self.ckpt.qtype(self.name))
+        return {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(self.ckpt.dtype(self.name))
+
+
 def fetch_rows(ckpt, name: str, rows: int, cols: int) -> torch.Tensor | Rows:
     """Tensor `name` [rows, cols] to be read a block of rows at a time where the checkpoint allows (GGUF);
     elsewhere as fetch() gives it."""
     if hasattr(ckpt, "load_rows") and ckpt.has(name) and tuple(ckpt.shape(name)) == (rows, cols):
-        return Rows([(lambda s, e: ckpt.load_rows(name, s, e), 0, rows)], cols)
+        return Rows([(_FileRows(ckpt, name), 0, rows)], cols)
     return fetch(ckpt, name, rows, cols)
 
 
@@ -284,7 +322,9 @@ def stack_rows(items: Sequence[Rows | torch.Tensor]) -> torch.Tensor | Rows:
 
 
 def _fits(t: torch.Tensor | Rows, dtype: torch.dtype) -> bool:
-    """Whether every value of t survives a round trip through dtype."""
+    """Whether every value of t survives a round trip through dtype (rows a file stores in dtype: unread)."""
+    if isinstance(t, Rows) and t.stored_dtype() == dtype:
+        return True
     blocks = t.blocks() if isinstance(t, Rows) else [(0, t)]
     for _, b in blocks:
         # a few MB of rows at a time: the round trip of a whole embedding would hold two copies of it at load
@@ -305,10 +345,7 @@ def _store(t: torch.Tensor | Rows, dtype: torch.dtype, device) -> torch.Tensor:
     cpu = torch.device(device).type == "cpu"
     if not isinstance(t, Rows):
         return weight_empty(t.shape, dtype).copy_(t) if cpu else t.to(device=device, dtype=dtype)
-    out = weight_empty(t.shape, dtype) if cpu else torch.empty(t.shape, dtype=dtype, device=device)
-    for r, block in t.blocks():
-        out[r:r + len(block)] = block
-    return out
+    return t.into(weight_empty(t.shape, dtype) if cpu else torch.empty(t.shape, dtype=dtype, device=device))
 
 
 def lm_logits(model, h: torch.Tensor) -> torch.Tensor:

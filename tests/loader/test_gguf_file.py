@@ -110,6 +110,27 @@ def test_rows_read_a_block_at_a_time(written, ckpt, name):
         torch.testing.assert_close(ckpt.load_rows(name, start, end), expected[start:end], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", [n for n in TENSOR_NAMES if len(make_tensors(np.random.default_rng(0))[n][2]) == 2])
+def test_rows_written_into_a_tensor(written, ckpt, name, dtype):
+    """rows_into (a weight's rows straight into its storage) writes gguf-py's values of those rows, rounded to the
+    storage's dtype as a float32 copy would be; a tensor the file stores in that dtype keeps its exact bits."""
+    stored = {t.name: t for t in GGUFReader(written[0]).tensors}[name]
+    expected = torch.from_numpy(ref.dequantize(stored.data, stored.tensor_type).astype(np.float32))
+    expected = expected.reshape(ckpt.shape(name))
+    R, C = expected.shape
+    for start, end in [(0, R), (1, R), (R - 1, R)]:
+        out = torch.full((end - start, C), 7.0, dtype=dtype)
+        ckpt.rows_into(name, start, end, out)
+        assert torch.equal(out, expected[start:end].to(dtype))
+    if stored.tensor_type in (Q.F16, Q.BF16, Q.F32):
+        native = torch.from_numpy(np.array(stored.data)).view({Q.F16: torch.float16, Q.BF16: torch.bfloat16,
+                                                                Q.F32: torch.float32}[stored.tensor_type])
+        out = torch.empty(R, C, dtype=native.dtype)
+        ckpt.rows_into(name, 0, R, out)
+        assert torch.equal(out.view(-1), native.reshape(-1))
+
+
 def test_values_survive_the_round_trip(written, ckpt):
     _, tensors = written
     torch.testing.assert_close(ckpt.load("f32_3d.weight"), torch.from_numpy(tensors["f32_3d.weight"][0]))

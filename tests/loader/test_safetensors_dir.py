@@ -62,6 +62,21 @@ def test_reads_names_shapes_and_values(ckpt_dir):
     assert ckpt.nbytes("model.layers.0.linear_attn.conv1d.weight") == 2 * 3 * 4 * 2
 
 
+@pytest.mark.parametrize("into", [torch.float32, torch.float16, torch.bfloat16])
+def test_rows_written_into_a_tensor(tmp_path, into):
+    """rows_into: the stored rows read straight into a tensor of their dtype (the bits as stored), else converted
+    as a float32 copy would be."""
+    g = torch.Generator().manual_seed(1)
+    tensors = {"a.weight": torch.randn(9, 6, generator=g).to(torch.bfloat16),
+               "b.weight": torch.randn(5, 4, generator=g).half(), "c.weight": torch.randn(4, 3, generator=g)}
+    ckpt = SafetensorsCheckpoint(write_dir(tmp_path / "hf", tensors, shards=2))
+    for name, t in tensors.items():
+        for start, end in [(0, t.shape[0]), (2, t.shape[0] - 1)]:
+            out = torch.full((end - start, t.shape[1]), 7.0, dtype=into)
+            ckpt.rows_into(name, start, end, out)
+            assert torch.equal(out, t[start:end].float().to(into))
+
+
 def test_missing_tensor_and_shape_mismatch(ckpt_dir):
     ckpt = SafetensorsCheckpoint(ckpt_dir)
     assert not ckpt.has("lm_head.weight")
