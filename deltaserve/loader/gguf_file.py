@@ -297,6 +297,10 @@ class GGUFCheckpoint:
         self._release(replace(info, offset=info.offset + start * row_bytes, nbytes=(end - start) * row_bytes))
         return out
 
+    def float_dtype(self, name: str) -> torch.dtype | None:
+        """float32, float16 or bfloat16 where the file stores tensor `name` so, else None (quantised, float64)."""
+        return quants.FLOAT_TYPES.get(self.info(name).qtype)
+
     def rows_into(self, name: str, start: int, end: int, out: torch.Tensor) -> None:
         """Rows start:end of a tensor [R, C] written into `out` [end - start, C] (its dtype), their file pages then
         dropped: a float16, bfloat16 or float32 tensor straight from the file's bytes, with no float32 copy on the

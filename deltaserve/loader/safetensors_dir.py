@@ -147,6 +147,11 @@ class SafetensorsCheckpoint:
                                  "only", tensor=name)
         return self._read(name, start, end).view(-1, C).float()
 
+    def float_dtype(self, name: str) -> torch.dtype | None:
+        """float32, float16 or bfloat16 where the file stores tensor `name` so, else None (float64)."""
+        stored = self.dtype(name)
+        return _TORCH_DTYPES[stored] if stored in ("F32", "F16", "BF16") else None
+
     def rows_into(self, name: str, start: int, end: int, out: torch.Tensor) -> None:
         """Rows start:end of a tensor [R, C] written into `out` [end - start, C]: read straight into it where it
         is contiguous in the stored dtype (no float32 copy on the way), else as load_rows gives them."""

@@ -14,7 +14,6 @@ from deltaserve.models.state import HybridState
 from deltaserve.errors import DeltaserveError, ModelLoadError
 from deltaserve.loader.gguf_file import progress_bar
 from deltaserve.loader.memory import loading_memory, weight_empty
-from deltaserve.loader.quants import FLOAT_TYPES
 from deltaserve.models import packed
 from deltaserve.models.layers import Q8_BLOCK, Experts, Linear, linear, quantize_q8
 from deltaserve.models.weights import available, chosen, load_params, names
@@ -261,7 +260,8 @@ class Rows:
         return kinds.pop() if len(kinds) == 1 else None
 
     def into(self, out: torch.Tensor) -> torch.Tensor:
-        """The rows written into out [R, C] (any dtype), a source that can (see _FileRows) straight from the file."""
+        """The rows written into out [R, C] (any dtype) a block at a time: a file's rows straight (_FileRows.into),
+        other sources through float32."""
         at = 0
         for read, lo, hi in self.parts:
             for r in range(lo, hi, self.BLOCK):
@@ -302,10 +302,7 @@ class _FileRows:
         self.ckpt.rows_into(self.name, start, end, out)
 
     def stored_dtype(self) -> torch.dtype | None:
-        """float16, bfloat16 or float32 where the file stores the tensor so, else None (quantised, float64)."""
-        if hasattr(self.ckpt, "qtype"):
-            return FLOAT_TYPES.get(self.ckpt.qtype(self.name))
-        return {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(self.ckpt.dtype(self.name))
+        return self.ckpt.float_dtype(self.name)
 
 
 def fetch_rows(ckpt, name: str, rows: int, cols: int) -> torch.Tensor | Rows:

@@ -123,9 +123,10 @@ def test_rows_written_into_a_tensor(written, ckpt, name, dtype):
         out = torch.full((end - start, C), 7.0, dtype=dtype)
         ckpt.rows_into(name, start, end, out)
         assert torch.equal(out, expected[start:end].to(dtype))
-    if stored.tensor_type in (Q.F16, Q.BF16, Q.F32):
-        native = torch.from_numpy(np.array(stored.data)).view({Q.F16: torch.float16, Q.BF16: torch.bfloat16,
-                                                                Q.F32: torch.float32}[stored.tensor_type])
+    kept = {Q.F16: torch.float16, Q.BF16: torch.bfloat16, Q.F32: torch.float32}.get(stored.tensor_type)
+    assert ckpt.float_dtype(name) == kept
+    if kept is not None:
+        native = torch.from_numpy(np.array(stored.data)).view(kept)
         out = torch.empty(R, C, dtype=native.dtype)
         ckpt.rows_into(name, 0, R, out)
         assert torch.equal(out.view(-1), native.reshape(-1))

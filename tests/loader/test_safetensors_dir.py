@@ -71,6 +71,7 @@ def test_rows_written_into_a_tensor(tmp_path, into):
                "b.weight": torch.randn(5, 4, generator=g).half(), "c.weight": torch.randn(4, 3, generator=g)}
     ckpt = SafetensorsCheckpoint(write_dir(tmp_path / "hf", tensors, shards=2))
     for name, t in tensors.items():
+        assert ckpt.float_dtype(name) == t.dtype
         for start, end in [(0, t.shape[0]), (2, t.shape[0] - 1)]:
             out = torch.full((end - start, t.shape[1]), 7.0, dtype=into)
             ckpt.rows_into(name, start, end, out)
