@@ -30,8 +30,8 @@ namespace kq {
 constexpr bool kPanelGemm = true;
 
 // y[m][0 .. 16) (stride ldy, `rows` lanes stored) = the panel's rows . activation rows m < MB (x: [nb][MB]). G: codes
-// per scale, 16, or 32 where the type's scales are per 32 (Q4_K, Q5_K, IQ4_XS: sc[2i] = sc[2i + 1]), which halves the
-// multiplies and adds by scales; integer sums, so either G gives the same bits.
+// per scale and offset: 32 for the per32 types (Q4_K, Q5_K, IQ4_XS), whose panels pair their offsets by 32, which halves
+// the multiplies by scales and offsets; 16 for the others.
 template <int MB, int G>
 inline void panel_rows(const Panel* p, const XBlock* x, int64_t nb, float* y, int64_t ldy, int64_t rows) {
   constexpr int kChunks = G / 4;  // vpdpbusd steps (4 codes a lane) per scale
@@ -60,9 +60,9 @@ inline void panel_rows(const Panel* p, const XBlock* x, int64_t nb, float* y, in
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
       __m512i off = _mm512_setzero_si512();
-      for (int i = 0; i < 8; ++i) {
+      for (int i = 0; i < 128 / G; ++i) {  // pairs of offsets (int8panel.h) times pairs of the activations' sums
         int32_t pair;
-        std::memcpy(&pair, xb[m].bs + 2 * i, 4);
+        std::memcpy(&pair, (G == 32 ? xb[m].bs32 : xb[m].bs) + 2 * i, 4);
         off = _mm512_dpwssd_epi32(off, _mm512_load_si512(pb.off[i]), _mm512_set1_epi32(pair));
       }
       const __m512 dx = _mm512_set1_ps(xb[m].d);
@@ -120,16 +120,16 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
       n32 = 0;
     };
     std::vector<std::pair<int64_t, int64_t>> open;  // the opened tiles' (first column, columns), all of one kind:
-    bool per32 = false, mins = false;  // scales per 32 (Q4_K, Q5_K, IQ4_XS; else 16), offsets at dmin (Q2_K, Q4_K, Q5_K)
+    bool by32 = false, mins = false;  // scales per 32 (Q4_K, Q5_K, IQ4_XS; else 16), offsets at dmin (Q2_K, Q4_K, Q5_K)
     auto run = [&] {
 #if defined(DELTASERVE_AMX)
       if (tiled && !open.empty())
-        amx_group(panels.data(), wide.data(), mins ? (per32 ? 32 : 16) : 0, open, codes.data(), xq, M, K, y, N);
+        amx_group(panels.data(), wide.data(), mins ? (by32 ? 32 : 16) : 0, open, codes.data(), xq, M, K, y, N);
       else
 #endif
         for (int64_t g = 0; g < M; g += kRows)
           for (size_t j = 0; j < open.size(); ++j)
-            (per32 ? panel_group<32> : panel_group<16>)(std::min<int64_t>(kRows, M - g), panels.data() + j * nb,
+            (by32 ? panel_group<32> : panel_group<16>)(std::min<int64_t>(kRows, M - g), panels.data() + j * nb,
                                                         xq + g * nb, nb, y + g * N + open[j].first, N, open[j].second);
       open.clear();
     };
@@ -155,9 +155,9 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
         tile32[0].run(x8, y + tile.n0, N, tile.rows);
         continue;
       }
-      const bool tile32s = type == Q4_K || type == Q5_K || type == IQ4_XS, tile_mins = panel_bias(type) == 0;
-      if (!open.empty() && (tile32s != per32 || tile_mins != mins || open.size() == kOpen)) run();
-      per32 = tile32s;
+      const bool tile32s = per32(type), tile_mins = panel_bias(type) == 0;
+      if (!open.empty() && (tile32s != by32 || tile_mins != mins || open.size() == kOpen)) run();
+      by32 = tile32s;
       mins = tile_mins;
       Panel* p = panels.data() + open.size() * nb;
       if (tile.panel)
@@ -231,10 +231,10 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
   const Segments seg(table, K, bytes.numel());
   const int64_t N = seg.rows;
   TORCH_CHECK(y.dtype() == torch::kFloat32 && y.is_contiguous() && y.size(0) == M && y.size(1) == N, "y must be float32 [M, N]");
-  bool per32 = false, per256 = false;  // which roundings of x the segments read
+  bool round32 = false, round256 = false;  // which roundings of x the segments read
   for (int64_t s = 0; s < seg.S; ++s) {
     TORCH_CHECK(int8_type(seg.type(s)), "linear_int8: GGML type ", seg.type(s), " has no integer kernel");
-    (q8::block32(seg.type(s)) ? per32 : per256) = true;
+    (q8::block32(seg.type(s)) ? round32 : round256) = true;
   }
   // decode (a step makes ~70 of these calls) reuses its thread's buffers; a prefill's are its own, freed after
   static thread_local std::vector<XBlock> decode_buf;
@@ -242,11 +242,11 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
   std::vector<XBlock>& xbuf = M <= kRows ? decode_buf : prefill_buf;
   if (xbuf.size() < static_cast<size_t>(M * nb)) xbuf.resize(M * nb);
   const XBlock* xq = xbuf.data();
-  if (per256) quantize_rows(x.data_ptr<float>(), M, K, xbuf.data());
+  if (round256) quantize_rows(x.data_ptr<float>(), M, K, xbuf.data());
   static thread_local q8::Q8Acts decode_x8;  // x rounded per 32, for rows of 32-weight blocks
   q8::Q8Acts prefill_x8;
   q8::Q8Acts& x8 = M <= kRows ? decode_x8 : prefill_x8;
-  if (per32) x8.quantize(x.data_ptr<float>(), M, K);
+  if (round32) x8.quantize(x.data_ptr<float>(), M, K);
   const uint8_t* base = bytes.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   if (kPanelGemm && M > kRows) return gemm_panels(seg, base, xq, x8, M, K, yp);

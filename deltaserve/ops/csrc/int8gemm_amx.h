@@ -30,7 +30,6 @@ namespace kq {
 struct alignas(64) WidePanel {
   uint8_t lo[64][16][4];  // as Panel::q: [codes / 4][row][4 codes], a tdpbsud weight tile per 64 codes
   int8_t hi[64][16][4];
-  int32_t mins[4][16];  // per-32 types with mins (Q4_K, Q5_K): [pair of 32-code groups][row], the two int16 mins
 };
 
 inline void widen_panel(const Panel& p, int bias, WidePanel& w) {
@@ -43,9 +42,6 @@ inline void widen_panel(const Panel& p, int bias, WidePanel& w) {
     _mm512_store_si512(w.lo[c], _mm512_ternarylogic_epi32(even, m00ff, _mm512_slli_epi16(odd, 8), 0xEA));
     _mm512_store_si512(w.hi[c], _mm512_ternarylogic_epi32(_mm512_srli_epi16(even, 8), m00ff, odd, 0xE2));
   }
-  for (int i = 0; i < 4; ++i)  // Panel::off[k] of a per-32 type: (min k, min k)
-    _mm512_store_si512(w.mins[i], _mm512_ternarylogic_epi32(_mm512_load_si512(p.off[2 * i]), low16,
-                                                            _mm512_slli_epi32(_mm512_load_si512(p.off[2 * i + 1]), 16), 0xEA));
 }
 
 // bytes between rows of x's codes: K and a cache line, so that a tile's 16 rows K = 2^n apart do not all fall in a few
@@ -125,7 +121,7 @@ inline void amx_rows(const Panel* p, const WidePanel* w, const int8_t* codes, co
         for (int i = 0; i < 128 / Mins; ++i) {  // int16 pairs of mins times pairs of the activations' sums
           int32_t pair;
           std::memcpy(&pair, Mins == 32 ? xb.bs32 + 2 * i : xb.bs + 2 * i, 4);
-          off = _mm512_dpwssd_epi32(off, _mm512_load_si512(Mins == 32 ? w[b].mins[i] : pb.off[i]), _mm512_set1_epi32(pair));
+          off = _mm512_dpwssd_epi32(off, _mm512_load_si512(pb.off[i]), _mm512_set1_epi32(pair));
         }
         acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(off), _mm512_mul_ps(o, dx), acc);
       }

@@ -20,9 +20,19 @@ namespace kq {
 struct alignas(64) Panel {
   uint8_t q[64][16][4];    // [codes / 4][row][4 codes]
   int32_t sc[16][16];      // [group of 16][row]
-  int32_t off[8][16];      // [pair of groups][row]: the two int16 offsets of groups 2p, 2p + 1
+  int32_t off[8][16];      // [pair][row]: two int16 offsets, of groups 2p and 2p + 1 of 16 codes, or where the
+                           // scales are per 32 (per32) of groups 2p and 2p + 1 of 32 (p < 4, the rest zero)
   float d[16], o[16];
 };
+
+// the types whose scales and offsets are per 32 codes (sc[2i] = sc[2i + 1]): their offsets pair groups of 32, so that
+// 4 vpdpwssd against the activations' bs32 take them where 8 would against bs
+inline bool per32(int64_t type) { return type == Q4_K || type == Q5_K || type == IQ4_XS; }
+
+// two int16 offsets as one int32 (lo in the low half), a vpdpwssd operand
+inline int32_t pair16(int lo, int hi) {
+  return static_cast<int32_t>(static_cast<uint16_t>(lo) | static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16);
+}
 
 // the panels of weight rows n0 .. n0 + rows (rows <= 16), [nb]
 inline void open_panels(const Segments& seg, const uint8_t* base, int64_t n0, int64_t rows, int64_t K,
@@ -36,8 +46,9 @@ inline void open_panels(const Segments& seg, const uint8_t* base, int64_t n0, in
       const WBlock& w = scratch[b];
       for (int c = 0; c < 64; ++c) std::memcpy(p[b].q[c][r], w.q + 4 * c, 4);
       for (int i = 0; i < 16; ++i) p[b].sc[i][r] = w.sc[i];
-      for (int i = 0; i < 8; ++i)
-        p[b].off[i][r] = static_cast<int32_t>(static_cast<uint16_t>(w.off[2 * i]) | (static_cast<uint32_t>(static_cast<uint16_t>(w.off[2 * i + 1])) << 16));
+      const bool wide = per32(seg.type(s));  // (WBlock: off[2i] = off[2i + 1], group i of 32's)
+      for (int i = 0; i < (wide ? 4 : 8); ++i)
+        p[b].off[i][r] = wide ? pair16(w.off[4 * i], w.off[4 * i + 2]) : pair16(w.off[2 * i], w.off[2 * i + 1]);
       p[b].d[r] = w.d;
       p[b].o[r] = w.o;
     }
@@ -72,7 +83,7 @@ inline void open_q23k_panel(bool q3, const uint8_t* panel, int64_t nb, int64_t b
       off[i] = static_cast<int16_t>(q3 ? 4 * out.sc[i][r] : bytes[i] >> 4);
     }
     for (int i = 0; i < 8; ++i)
-      out.off[i][r] = static_cast<int32_t>(static_cast<uint16_t>(off[2 * i]) | static_cast<uint32_t>(static_cast<uint16_t>(off[2 * i + 1])) << 16);
+      out.off[i][r] = pair16(off[2 * i], off[2 * i + 1]);
     out.d[r] = half(q3 ? panel + 32 * b + 2 * r : p + kQ2D + 2 * r);
     out.o[r] = q3 ? out.d[r] : half(p + kQ2Dmin + 2 * r);
   }
@@ -100,11 +111,8 @@ inline void open_row_panel(int64_t type, const uint8_t* panel, int64_t nb, int64
       std::memcpy(native, p + kIQ4D + 2 * r, 2);
       std::memcpy(native + 2, p + kIQ4High + 2 * r, 2);
       std::memcpy(native + 4, p + kIQ4Low + 4 * r, 4);
-      for (int ib = 0; ib < 8; ++ib) {
-        const int sc = iq4xs_scale(native, ib);
-        out.sc[2 * ib][r] = out.sc[2 * ib + 1][r] = sc;
-        out.off[ib][r] = static_cast<int32_t>(static_cast<uint16_t>(128 * sc) | static_cast<uint32_t>(static_cast<uint16_t>(128 * sc)) << 16);
-      }
+      for (int ib = 0; ib < 8; ++ib) out.sc[2 * ib][r] = out.sc[2 * ib + 1][r] = iq4xs_scale(native, ib);
+      for (int i = 0; i < 8; ++i) out.off[i][r] = i < 4 ? pair16(128 * out.sc[4 * i][r], 128 * out.sc[4 * i + 2][r]) : 0;
       out.d[r] = out.o[r] = half(native);
     }
     return;
@@ -124,7 +132,7 @@ inline void open_row_panel(int64_t type, const uint8_t* panel, int64_t nb, int64
     for (int r = 0; r < 16; ++r) {
       for (int i = 0; i < 16; ++i) out.sc[i][r] = static_cast<int8_t>(p[(2 * (i / 8) + i % 2) * 832 + 768 + 16 * ((i % 8) / 2) + r]);
       for (int i = 0; i < 8; ++i)
-        out.off[i][r] = static_cast<int32_t>(static_cast<uint16_t>(32 * out.sc[2 * i][r]) | static_cast<uint32_t>(static_cast<uint16_t>(32 * out.sc[2 * i + 1][r])) << 16);
+        out.off[i][r] = pair16(32 * out.sc[2 * i][r], 32 * out.sc[2 * i + 1][r]);
       out.d[r] = out.o[r] = half(panel + 32 * b + 2 * r);
     }
     return;
@@ -148,7 +156,7 @@ inline void open_row_panel(int64_t type, const uint8_t* panel, int64_t nb, int64
     uint8_t sc[8], mn[8];
     k4_scales(words[r], sc, mn);
     for (int i = 0; i < 16; ++i) out.sc[i][r] = sc[i / 2];
-    for (int i = 0; i < 8; ++i) out.off[i][r] = static_cast<int32_t>(mn[i] | static_cast<uint32_t>(mn[i]) << 16);
+    for (int i = 0; i < 8; ++i) out.off[i][r] = i < 4 ? pair16(mn[2 * i], mn[2 * i + 1]) : 0;
     out.d[r] = half(p + kK4D + 2 * r);
     out.o[r] = half(p + kK4Dmin + 2 * r);
   }
