@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -50,6 +51,19 @@ def _float(low: float, high: float = math.inf, low_open: bool = False):
     return parse
 
 
+def _logit_bias(text: str) -> tuple[int, float]:
+    """An argparse type: llama.cpp's TOKEN_ID(+|-)BIAS, the bias a finite number in [-100, 100] (OpenAI's range)."""
+    parts = re.fullmatch(r"\s*(\d+)\s*([+-].*)", text)
+    try:
+        token, bias = int(parts[1]), float(parts[2])
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"'{text}' is not TOKEN_ID+BIAS or TOKEN_ID-BIAS (e.g. 15043+1)") from None
+    if token < 0 or not -100 <= bias <= 100:
+        raise argparse.ArgumentTypeError(f"'{text}' is out of range: the token id must be >= 0 and the bias in "
+                                         "[-100, 100]")
+    return token, bias
+
+
 def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("model", nargs="?", default=None,
                    help="a GGUF file or a Hugging Face directory (default: the embedded Shakespeare model)")
@@ -88,6 +102,20 @@ def _add_sampling_args(p: argparse.ArgumentParser):
     p.add_argument("--min-p", type=_float(0, 1), default=0.05, help="0 = off (default 0.05)")
     p.add_argument("--seed", type=_int(*SEED_RANGE), default=None, help="random seed (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--repetition-penalty", "--repeat-penalty", type=_float(0, low_open=True), default=1.0,
+                   help="divide the positive logits (multiply the negative ones) of every token already in the prompt "
+                        "or the output by this, as transformers and vLLM do (llama.cpp's --repeat-penalty looks at "
+                        "the last 64 tokens only); 1 = off (default 1)")
+    p.add_argument("--presence-penalty", type=_float(-2, 2), default=0.0,
+                   help="subtract this from the logits of the tokens the output holds (OpenAI's; default 0)")
+    p.add_argument("--frequency-penalty", type=_float(-2, 2), default=0.0,
+                   help="subtract this times their count from the logits of the tokens the output holds (OpenAI's; "
+                        "default 0)")
+    p.add_argument("-l", "--logit-bias", type=_logit_bias, action="append", default=[], metavar="ID+BIAS",
+                   help="add BIAS (in [-100, 100]) to token ID's logit, as llama.cpp's: 15043+1, 15043-100 "
+                        "(repeatable)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate past end-of-generation tokens, until --max-tokens or a stop string")
 
 
 def _add_make_model_args(p: argparse.ArgumentParser):
@@ -148,16 +176,57 @@ def _kv_dtype(args):
 
 
 def _sampling(args) -> dict:
+    bias = {}
+    for token, value in args.logit_bias:  # (a token given twice: its biases add up, as llama.cpp's)
+        bias[token] = max(-100.0, min(100.0, bias.get(token, 0.0) + value))
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                min_p=args.min_p, seed=args.seed, stop=args.stop)
+                min_p=args.min_p, seed=args.seed, stop=args.stop, repetition_penalty=args.repetition_penalty,
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, logit_bias=bias,
+                ignore_eos=args.ignore_eos)
+
+
+def _check_tokens(llm, args) -> None:
+    """--logit-bias ids outside the model's vocabulary: one clear error (the sampler would drop them silently)."""
+    vocab = llm.model.config.vocab_size
+    bad = sorted({token for token, _ in args.logit_bias if token >= vocab})
+    if bad:
+        raise DeltaserveError(f"--logit-bias: token ids must be in [0, {vocab}), got {bad[:5]}")
+
+
+def _read(path: str, what: str) -> str:
+    """The text of a file ('-': standard input), or one clear error naming it."""
+    try:
+        return sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DeltaserveError(f"cannot read {what} {path}: {getattr(e, 'strerror', None) or e}") from None
+
+
+def _json_schema(text: str):
+    """--json-schema's grammar: the schema given as JSON text or @FILE."""
+    import json
+
+    from deltaserve.engine.grammar import json_grammar
+
+    source = _read(text[1:], "the JSON schema in") if text.startswith("@") else text
+    try:
+        schema = json.loads(source)
+    except ValueError as e:
+        raise DeltaserveError(f"--json-schema is not JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise DeltaserveError(f"--json-schema must be a JSON object (a schema), not {type(schema).__name__}")
+    return json_grammar(schema)
 
 
 def cmd_run(args):
+    prompt = args.prompt if args.file is None else _read(args.file, "the prompt file")
+    grammar = _json_schema(args.json_schema) if args.json_schema is not None else None
     llm = _load(args)
     if llm is None:
         return
-    sys.stdout.write(args.prompt)
-    for piece in llm.generate(args.prompt, stream=True, token_healing=not args.no_token_healing, **_sampling(args)):
+    _check_tokens(llm, args)
+    sys.stdout.write(prompt)
+    for piece in llm.generate(prompt, stream=True, token_healing=not args.no_token_healing, grammar=grammar,
+                              **_sampling(args)):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -169,6 +238,7 @@ def cmd_chat(args):
     llm = _load(args)
     if llm is None:  # a worker rank of a spread model: it has served rank 0 until the end
         return
+    _check_tokens(llm, args)
     chat(llm, args, _sampling(args))
 
 
@@ -270,8 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="generate text and stream it to the terminal",
                          description="Generate a continuation of PROMPT and stream it to the terminal.")
     _add_model_args(run)
-    run.add_argument("-p", "--prompt", required=True, help="the text to continue")
+    source = run.add_mutually_exclusive_group(required=True)
+    source.add_argument("-p", "--prompt", help="the text to continue")
+    source.add_argument("-f", "--file", help="read the text to continue from this file ('-': standard input)")
     _add_sampling_args(run)
+    run.add_argument("-j", "--json-schema", metavar="SCHEMA",
+                     help="the continuation is JSON that follows this JSON schema: its text, or @FILE ('{}': any "
+                          "JSON value)")
     run.add_argument("--no-token-healing", action="store_true",
                      help="keep the prompt's last token as it is (by default a prompt ending inside a longer token, "
                           "such as 'ROMEO.' before '.\\n', is backed off by it and the first token must start with it)")

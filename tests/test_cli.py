@@ -1,6 +1,7 @@
 """The deltaserve command, run as a user runs it: a subprocess, its stdout and exit code."""
 
 import argparse
+import json
 import signal
 import subprocess
 import sys
@@ -31,6 +32,61 @@ def test_run_streams_the_same_text_as_the_api(tiny_gguf):
     assert done.stdout == "Hello there" + expected.text + "\n"
     kept = deltaserve("run", tiny_gguf, "-p", "Hello there", "-n", "12", "--temperature", "0", "--no-token-healing")
     assert kept.stdout == "Hello there" + LLM(tiny_gguf).generate("Hello there", max_tokens=12, temperature=0).text + "\n"
+
+
+def test_run_reads_the_prompt_from_a_file_or_standard_input(tiny_gguf, tmp_path):
+    args = ["-n", "12", "--temperature", "0"]
+    expected = deltaserve("run", tiny_gguf, "-p", "Hello there", *args).stdout
+    (tmp_path / "prompt.txt").write_text("Hello there", encoding="utf-8")
+    assert deltaserve("run", tiny_gguf, "-f", tmp_path / "prompt.txt", *args).stdout == expected
+    assert deltaserve("run", tiny_gguf, "-f", "-", *args, stdin="Hello there").stdout == expected
+    both = deltaserve("run", tiny_gguf, "-p", "x", "-f", "y")
+    assert both.returncode == 2 and "not allowed with" in both.stderr
+    for path, why in ((tmp_path / "missing.txt", "No such file"), (tmp_path, "Is a directory")):
+        done = deltaserve("run", tiny_gguf, "-f", path)
+        assert done.returncode == 1 and done.stderr.startswith(f"deltaserve: error: cannot read the prompt file {path}: "
+                                                               f"{why}") and done.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("flag, name", [("--repeat-penalty", "repetition_penalty"),
+                                        ("--presence-penalty", "presence_penalty"),
+                                        ("--frequency-penalty", "frequency_penalty")])
+def test_penalty_flags_reach_the_sampler(tiny_gguf, flag, name):
+    """Greedy, the tiny model repeats a token within 40: each penalty changes the text from there (what a penalty
+    does to the logits is tested against hand-computed values in engine/test_logits.py)."""
+    llm = LLM(tiny_gguf)
+    plain = llm.generate("Hello there", max_tokens=40, temperature=0, token_healing=True)
+    expected = llm.generate("Hello there", max_tokens=40, temperature=0, token_healing=True, **{name: 1.5})
+    assert expected.token_ids != plain.token_ids
+    done = deltaserve("run", tiny_gguf, "-p", "Hello there", "-n", "40", "--temperature", "0", flag, "1.5")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "Hello there" + expected.text + "\n"
+
+
+def test_logit_bias_and_ignore_eos(tiny_gguf):
+    """A bias of +100 on the end-of-text token makes it the first token: the run ends at once, or with
+    --ignore-eos writes it until -n. An id outside the vocabulary is one clear line."""
+    tokenizer = LLM(tiny_gguf).tokenizer
+    eos = min(tokenizer.eos_token_ids)
+    args = ["run", tiny_gguf, "-p", "Hello there", "-n", "5", "--temperature", "0", "-l", f"{eos}+100",
+            "--no-token-healing"]  # (healing would hold the first token to ones extending the prompt's last)
+    assert deltaserve(*args).stdout == "Hello there\n"
+    assert deltaserve(*args, "--ignore-eos").stdout == "Hello there" + tokenizer.decode([eos]) * 5 + "\n"
+    outside = deltaserve("run", tiny_gguf, "-p", "x", "-l", "100000+1")
+    assert outside.returncode == 1 and "--logit-bias: token ids must be in [0, " in outside.stderr
+
+
+def test_run_follows_a_json_schema(tiny_gguf, tmp_path):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema), encoding="utf-8")
+    done = deltaserve("run", tiny_gguf, "-p", "Answer: ", "-n", "40", "--temperature", "0", "-j", f"@{tmp_path}/schema.json")
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout.removeprefix("Answer: "))
+    assert list(answer) == ["ok"] and isinstance(answer["ok"], bool)
+    for bad, message in (("{bad", "--json-schema is not JSON: "), ("[1]", "--json-schema must be a JSON object")):
+        refused = deltaserve("run", tiny_gguf, "-p", "x", "-j", bad)
+        assert refused.returncode == 1 and refused.stderr.startswith(f"deltaserve: error: {message}")
 
 
 def test_kv_dtype_option(tiny_gguf):
@@ -191,7 +247,8 @@ def _numeric_flags():
 def test_every_numeric_flag_is_range_checked():
     flags = _numeric_flags()
     assert len(flags) >= 15
-    unchecked = [(name, opts) for name, opts, kind in flags if kind.__qualname__.split(".")[0] not in ("_int", "_float")]
+    unchecked = [(name, opts) for name, opts, kind in flags
+                 if kind.__qualname__.split(".")[0] not in ("_int", "_float", "_logit_bias")]
     assert unchecked == []
 
 
@@ -205,7 +262,8 @@ BASE = {"serve": ["serve"], "run": ["run", "-p", "x"], "make-model": ["make-mode
     ("run", "--max-tokens", "-1"), ("run", "--temperature", "inf"), ("run", "--temperature", "-0.5"),
     ("run", "--top-k", "-1"), ("run", "--top-p", "0"), ("run", "--top-p", "1.01"), ("run", "--min-p", "-0.1"),
     ("run", "--seed", str(2**64)), ("make-model", "--seed", "-1"), ("serve", "--slots", "two"),
-    ("run", "--top-p", "half"),
+    ("run", "--top-p", "half"), ("run", "--repetition-penalty", "0"), ("run", "--presence-penalty", "2.5"),
+    ("run", "--frequency-penalty", "-2.01"), ("run", "--logit-bias", "5+101"), ("run", "--logit-bias", "5-nan"),
 ])
 def test_out_of_range_flags_are_one_clear_line(command, flag, value, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -218,7 +276,8 @@ def test_out_of_range_flags_are_one_clear_line(command, flag, value, capsys):
 @pytest.mark.parametrize("command, flag, value", [
     ("serve", "--port", "0"), ("serve", "--max-queue", "0"), ("serve", "--cache-mb", "0"), ("run", "--top-p", "1"),
     ("run", "--min-p", "1"), ("run", "--min-p", "0"), ("run", "--temperature", "0"), ("run", "--seed", str(-2**63)),
-    ("run", "--seed", str(2**64 - 1)), ("run", "--max-tokens", "0"),
+    ("run", "--seed", str(2**64 - 1)), ("run", "--max-tokens", "0"), ("run", "--presence-penalty", "-2"),
+    ("run", "--frequency-penalty", "2"),
 ])
 def test_flags_at_the_edges_of_their_range_are_taken(command, flag, value):
     parsed = getattr(build_parser().parse_args([*BASE[command], flag, value]), flag.lstrip("-").replace("-", "_"))

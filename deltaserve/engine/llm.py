@@ -100,7 +100,7 @@ class LLM:
         GenerationResult's logprobs and prompt_logprobs. token_healing: a prompt that ends inside a longer
         token ("ROMEO." where the model learnt ".\n") is backed off by its last token and the first generated
         token must start with that token's text, which the returned text leaves out (it continues the prompt
-        as given; token_ids hold the generated tokens)."""
+        as given; token_ids hold the generated tokens); with a grammar it is off."""
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
             raise DeltaserveError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
         if n > 1 and stream:
@@ -110,7 +110,8 @@ class LLM:
                                 ignore_eos=ignore_eos, grammar=grammar, **sampling)
         spec = self.speculative if speculative is None else speculative
         ids = self._encode(prompt)
-        healed = self.tokenizer.healing(ids) if token_healing and len(ids) > 1 else None
+        # (a grammar fixes the output's first characters itself: healing's first token would fight it)
+        healed = self.tokenizer.healing(ids) if token_healing and grammar is None and len(ids) > 1 else None
         if healed is not None:
             ids = ids[:-1]
             params = replace(params, first_tokens=healed[1])

@@ -62,7 +62,13 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: Seq
         keep = ids < V
         logits[ids[keep]] -= params.frequency_penalty * counts[keep].to(logits.dtype) + params.presence_penalty
     if banned and not torch.isfinite(logits.max()):
-        raise ValueError("logit_bias and min_tokens ban every token of the vocabulary")
+        causes = [name for name, applies in (
+            ("logit_bias", any(b <= BAN for b in params.logit_bias.values())),
+            ("min_tokens", params.min_tokens > len(output_ids)),
+            ("token healing's first token", params.first_tokens is not None and not output_ids),
+            ("the grammar", params.grammar is not None)) if applies]
+        raise ValueError(f"{' and '.join(causes)} {'leave' if len(causes) > 1 else 'leaves'} no token of the "
+                         "vocabulary to sample")
     return logits
 
 

@@ -2,6 +2,7 @@
 against hand-computed values, the engine's behaviour against a separate scoring pass (LLM.score) and
 against requests run alone."""
 
+import json
 import math
 import threading
 
@@ -74,9 +75,24 @@ def test_token_healing_backs_off_the_last_token_and_picks_the_best_that_extends_
     assert plain.token_ids[:1] == [first] or (plain.token_ids == [] and tok.decode([first]) in ("<|im_end|>", "<|endoftext|>"))
 
 
-def test_banning_every_token_is_an_error_not_a_nan():
-    with pytest.raises(ValueError, match="every token"):
+def test_banning_every_token_is_an_error_not_a_nan_naming_what_banned_them():
+    with pytest.raises(ValueError, match="^logit_bias leaves no token of the vocabulary to sample$"):
         adjusted(logit_bias={i: -100 for i in range(5)})
+    with pytest.raises(ValueError, match="^logit_bias and token healing's first token leave no token"):
+        adjusted(logit_bias={1: -100, 4: -100}, first_tokens=(1, 4))
+
+
+def test_a_grammar_turns_token_healing_off(tiny_gguf):
+    """Healing "Answer: " would make the first token start with " ", which JSON on one line never does: the
+    grammar decides the first characters (this ended in an error that blamed logit_bias)."""
+    from deltaserve.engine.grammar import json_grammar
+
+    llm = LLM(tiny_gguf, max_len=128)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    ids = llm.tokenizer.encode("Answer: ")
+    assert llm.tokenizer.healing(ids) is not None  # the prompt would be healed without the grammar
+    out = llm.generate("Answer: ", max_tokens=40, temperature=0, grammar=json_grammar(schema), token_healing=True)
+    assert out.finish_reason == "stop" and list(json.loads(out.text)) == ["ok"]
 
 
 @pytest.mark.parametrize("kwargs", [dict(presence_penalty=2.5), dict(frequency_penalty=-3),
