@@ -94,6 +94,25 @@ def _add_model_args(p: argparse.ArgumentParser):
                    help="with --pp / --tp: seconds a rank waits for another before failing with an error (default 120)")
 
 
+def _add_template_arg(p: argparse.ArgumentParser):
+    p.add_argument("--chat-template", "--chat-template-file", metavar="FILE|TEXT",
+                   help="render conversations with this Jinja chat template instead of the model's: a file "
+                        "(llama-server's --chat-template-file), or the template itself (a value with a '{', as "
+                        "vLLM's --chat-template takes)")
+
+
+def _template(value: str | None) -> str | None:
+    """--chat-template's text, read and compiled before the model loads: one that does not parse is refused at
+    once, not at the first request."""
+    if value is None:
+        return None
+    from deltaserve.chat_template import compile_chat_template
+
+    text = value if "{" in value else _read(value, "the chat template")
+    compile_chat_template(text)
+    return text
+
+
 def _add_sampling_args(p: argparse.ArgumentParser):
     p.add_argument("-n", "--max-tokens", type=_int(0), default=256, help="tokens to generate (default 256)")
     p.add_argument("--temperature", "--temp", type=_float(0), default=0.8, help="0 = greedy (default 0.8)")
@@ -235,10 +254,13 @@ def cmd_run(args):
 def cmd_chat(args):
     from deltaserve.chat import chat
 
+    template = _template(args.chat_template)
     llm = _load(args)
     if llm is None:  # a worker rank of a spread model: it has served rank 0 until the end
         return
     _check_tokens(llm, args)
+    if template is not None:
+        llm.tokenizer.chat_template = template
     chat(llm, args, _sampling(args))
 
 
@@ -252,6 +274,7 @@ def cmd_serve(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    template = _template(args.chat_template)
     spread = max(args.pp, args.tp) > 1
     if spread and (args.cache_dir or args.slot_save_path):
         raise DeltaserveError(f"{'--cache-dir' if args.cache_dir else '--slot-save-path'} does not work with "
@@ -262,6 +285,8 @@ def cmd_serve(args):
     if loaded is None:
         return  # a worker rank: rank 0 has stopped
     model, tokenizer = loaded
+    if template is not None:
+        tokenizer.chat_template = template
     name = args.served_model_name or Path(args.model or DEFAULT_MODEL).stem
     engine = Engine(model, tokenizer, n_slots=args.slots, max_len=args.ctx_size, prefill_chunk=args.chunk_size,
                     model_name=name, cache_budget_mb=args.cache_mb, speculative=args.spec, spec_tokens=args.spec_tokens,
@@ -361,6 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", help="system prompt")
     chat.add_argument("--no-think", action="store_true",
                       help="start with thinking off (the template's enable_thinking=false); /think on|off switches it")
+    _add_template_arg(chat)
     _add_sampling_args(chat)
     chat.set_defaults(fn=cmd_chat)
 
@@ -380,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "fills the pass, and verifying drafts for each costs more than they save (default: "
                             "16 // (spec tokens + 1), the verify rows the decode kernels take: 3 at k = 4, 5 at k = 2)")
     serve.add_argument("--served-model-name", default=None, help="model id in the API (default: the file name)")
+    _add_template_arg(serve)
     serve.add_argument("--max-request-bytes", type=_int(1), default=MAX_REQUEST_BYTES,
                        help="largest request body; larger ones get 413 (default 4 MiB)")
     serve.add_argument("--cache-dir", default=None,

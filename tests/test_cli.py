@@ -115,6 +115,26 @@ def test_chat_answers_each_line_until_an_empty_one(tiny_gguf):
     assert done.stdout == replies[0] + "\n" + replies[1] + "\n"
 
 
+def test_chat_template_flag_replaces_the_models(tiny_gguf, tmp_path):
+    """--chat-template FILE (or the text itself): replies are the model's continuation of the prompt that template
+    renders, here written out by hand; one that does not parse, or a missing file, is one line before loading
+    (serve too)."""
+    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (tmp_path / "plain.jinja").write_text(template, encoding="utf-8")
+    expected = LLM(tiny_gguf).generate("<user>Hi!\n<assistant>", max_tokens=6, temperature=0).text
+    for value in (tmp_path / "plain.jinja", template):
+        done = deltaserve("chat", tiny_gguf, "-n", "6", "--temperature", "0", "--chat-template", value, stdin="Hi!\n")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == expected + "\n"
+    for command in ("chat", "serve"):
+        broken = deltaserve(command, tiny_gguf, "--chat-template", "{% for m in %}", stdin="Hi!\n", timeout=60)
+        assert broken.returncode == 1 and broken.stderr.strip().startswith("deltaserve: error: chat template does not "
+                                                                           "parse: ")
+    missing = deltaserve("chat", tiny_gguf, "--chat-template-file", tmp_path / "nope.jinja", stdin="Hi!\n")
+    assert missing.returncode == 1 and "cannot read the chat template" in missing.stderr
+
+
 def test_chat_thinks_to_stderr_switches_thinking_and_quits_on_exit(tiny_gguf):
     """Thinking on (the template opens <think>): the reply is thinking, on stderr; /think off: the answer,
     on stdout; /exit quits before the last line."""
