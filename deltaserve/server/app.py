@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP API over the Engine, plus /health, /metrics and the chat page at /.
+"""OpenAI-compatible HTTP API over the Engine (completions, chat completions, responses), plus /health, /metrics
+and the chat page at /.
 
 No request can harm another: its values are validated (schemas), its body, prompt, stop strings and wait
 in the queue are bounded, its prompt is tokenised off the event loop, and the engine fails only the
@@ -22,6 +23,7 @@ from .chat_request import chat_inputs
 from .errors import JSON, APIError, echo
 from .generation import SHUTTING_DOWN, Generation, Inflight, Prompt
 from .middleware import Guard
+from .responses import Response, ResponsesBody, chat_body
 from .schemas import ChatBody, CompletionBody, valid_unicode
 from .structured import chat_grammar
 from .tokenize import install_tokenize
@@ -114,6 +116,12 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
         # checkpoints where the next turn's prompt leaves this one, and at its end
         return await generate(request, body, [Prompt(ids, (reply_start, len(ids)))], max_tokens, chat=True,
                               output=output, grammar=grammar)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesBody, request: Request):
+        response = Response(body, engine.model_name, engine.tokenizer)
+        out = await chat(chat_body(body), request)  # the chat completion, or its stream
+        return response.stream(out) if body.stream else response.of_chat(out)
 
     install_tokenize(app, engine, prompts)
     return app

@@ -1,0 +1,137 @@
+"""POST /v1/responses through the real openai SDK (`client.responses`): on the fitted tool model
+(toolmodel.py), which writes its thinking and call only after exactly the prompt it was fitted on, so the
+client sees them only if the server rendered the Responses input as that chat and parsed the reply into
+output items; on the tiny model, text against the engine alone (greedy), structured output, and the
+requests this server refuses by name."""
+
+import json
+
+import httpx
+import pytest
+
+from .conftest import assert_error
+from .toolmodel import ANSWER, CALL_ARGS, QUESTION, RESULT, THOUGHT, WEATHER
+
+openai = pytest.importorskip("openai")
+TOOL = {"type": "function", **WEATHER["function"]}  # the Responses API's flat function tool
+
+
+@pytest.fixture
+def tool_client(tool_server):
+    return openai.OpenAI(base_url=tool_server.url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def ask(client, input=QUESTION, **kw):
+    return client.responses.create(model="tool", input=input, tools=[TOOL], temperature=0, max_output_tokens=200,
+                                   **kw)
+
+
+def test_a_call_with_its_thinking(tool_client):
+    response = ask(tool_client)
+    assert response.object == "response" and response.status == "completed" and response.id.startswith("resp_")
+    reasoning, call = response.output
+    assert reasoning.type == "reasoning" and [c.text for c in reasoning.content] == [THOUGHT]
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    assert json.loads(call.arguments) == CALL_ARGS and response.output_text == ""
+    usage = response.usage
+    assert usage.input_tokens > 0 and 0 < usage.output_tokens_details.reasoning_tokens < usage.output_tokens
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+
+
+def test_the_output_sent_back_with_the_result_gets_the_answer(tool_client):
+    """The response's own output items (reasoning, call) go back as input with the call's output, as a client
+    of a server that stores nothing sends them: the model answers from the result."""
+    first = ask(tool_client)
+    call = first.output[1]
+    history = [{"role": "user", "content": QUESTION}, *[item.model_dump(exclude_none=True) for item in first.output],
+               {"type": "function_call_output", "call_id": call.call_id, "output": RESULT}]
+    answer = ask(tool_client, history)
+    assert answer.output_text == ANSWER and answer.status == "completed"
+    assert [item.type for item in answer.output] == ["reasoning", "message"]
+    assert answer.output[0].content[0].text == "The tool answered."
+
+
+def test_a_streamed_call_arrives_as_responses_events(tool_client):
+    """The SDK's own stream helper checks the events' order and ids as it accumulates them."""
+    with tool_client.responses.stream(model="tool", input=QUESTION, tools=[TOOL], temperature=0,
+                                      max_output_tokens=200) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert thought == THOUGHT and json.loads(arguments) == CALL_ARGS
+    assert [(e.type, e.item.type) for e in events if e.type.startswith("response.output_item")] == [
+        ("response.output_item.added", "reasoning"), ("response.output_item.done", "reasoning"),
+        ("response.output_item.added", "function_call"), ("response.output_item.done", "function_call")]
+    assert [item.type for item in final.output] == ["reasoning", "function_call"]
+    assert json.loads(final.output[1].arguments) == CALL_ARGS and final.usage.output_tokens > 0
+
+
+def test_text_is_the_engines_greedy_answer_whole_and_streamed(client, reference):
+    instructions, question = "Answer briefly.", "To be, or not to be?"
+    messages = [{"role": "system", "content": instructions}, {"role": "user", "content": question}]
+    prompt = reference.tokenizer.chat_prompt(messages, enable_thinking=False)
+    expected = reference.generate(prompt, max_tokens=10, temperature=0)
+    options = dict(model="tiny", instructions=instructions, temperature=0, max_output_tokens=10,
+                   reasoning={"effort": "none"})
+    whole = client.responses.create(input=[{"role": "user", "content": [{"type": "input_text", "text": question}]}],
+                                    **options)
+    assert whole.output_text == expected.text and whole.usage.output_tokens == len(expected.token_ids)
+    assert whole.usage.input_tokens == len(reference.tokenizer.encode(prompt))
+    assert whole.status == ("incomplete" if expected.finish_reason == "length" else "completed")
+    events = list(client.responses.create(input=question, stream=True, **options))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected.text
+    assert events[-1].response.output_text == expected.text
+
+
+def test_max_output_tokens_ends_an_incomplete_response(client):
+    response = client.responses.create(model="tiny", input="Tell me a story", max_output_tokens=3, temperature=0,
+                                       reasoning={"effort": "none"}, extra_body={"ignore_eos": True})
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 3
+    options = dict(model="tiny", input="Tell me a story", max_output_tokens=3, temperature=0,
+                   extra_body={"ignore_eos": True})  # thinking on: cut off while thinking, no message
+    thinking = client.responses.create(**options)
+    streamed = list(client.responses.create(stream=True, **options))[-1]
+    assert streamed.type == "response.incomplete"
+    for whole in (thinking, streamed.response):
+        assert [item.type for item in whole.output] == ["reasoning"] and whole.output_text == ""
+
+
+def test_text_format_json_schema(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    response = client.responses.create(model="tiny", input="Is it fine?", temperature=0, max_output_tokens=60,
+                                       reasoning={"effort": "none"},
+                                       text={"format": {"type": "json_schema", "name": "verdict", "schema": schema,
+                                                        "strict": True}})
+    answer = json.loads(response.output_text)
+    assert list(answer) == ["ok"] and isinstance(answer["ok"], bool)
+
+
+@pytest.mark.parametrize("body, param, fragment", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
+    ({"store": True}, "store", "stores no"),
+    ({"background": True}, "background", "answered in the request"),
+    ({"include": ["message.output_text.logprobs"]}, "include", "message.output_text.logprobs"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "only function tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
+     "only text parts"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "'item_reference' are not supported"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role", "role must be one of"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "input[0].call_id", "needs 'call_id'"),
+    ({"input": []}, "input", "holds no message"),
+    ({"n": 2}, "n", "one output"),
+    ({"temperature": 3}, "temperature", ""),
+])
+def test_bad_requests_are_refused_by_name(server, body, param, fragment):
+    response = httpx.post(server.url + "/v1/responses", json={"model": "tiny", "input": "hi", **body}, timeout=60)
+    assert_error(response, 400, param, fragment)
