@@ -169,7 +169,7 @@ class Generation:
 
     def stream(self, include_usage: bool) -> StreamingResponse:
         self.include_usage = include_usage
-        return _Stream(self._events(), self.close, media_type="text/event-stream",
+        return ClosingStream(self._events(), self.close, media_type="text/event-stream",
                        headers={"Cache-Control": "no-cache"})
 
     async def _events(self):
@@ -261,7 +261,7 @@ class Generation:
         return _sse(body)
 
 
-class _Stream(StreamingResponse):
+class ClosingStream(StreamingResponse):
     """A StreamingResponse that runs `on_close` however it ends: a client that leaves before the first
     event is sent cancels the response before its generator starts, and so before the generator's own
     cleanup could run."""

@@ -20,8 +20,8 @@ from pydantic import Field, ValidationError, field_validator
 from deltaserve.tokenizer import Tokenizer
 
 from .errors import APIError
-from .generation import _Stream
-from .schemas import ChatBody, _Body
+from .generation import ClosingStream
+from .schemas import ChatBody, RequestBody
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -29,7 +29,7 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 INCLUDES = ("reasoning.encrypted_content",)
 
 
-class ResponsesBody(_Body):
+class ResponsesBody(RequestBody):
     input: str | list[dict]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=0)
@@ -78,7 +78,7 @@ def chat_body(body: ResponsesBody) -> ChatBody:
     """The chat completions request of a Responses request; APIError 400 naming what was wrong."""
     if body.n not in (None, 1):
         raise APIError(400, "a response has one output: send n requests for n answers", "n")
-    shared = body.model_dump(include=set(_Body.model_fields) - {"max_tokens", "n", "stream_options"},
+    shared = body.model_dump(include=set(RequestBody.model_fields) - {"max_tokens", "n", "stream_options"},
                              exclude_none=True)
     fields = dict(shared, messages=_messages(body.instructions, body.input),
                   max_completion_tokens=body.max_output_tokens, parallel_tool_calls=body.parallel_tool_calls,
@@ -230,10 +230,10 @@ class Response:
                 "output_tokens_details": {"reasoning_tokens": min(reasoning, usage["completion_tokens"])},
                 "total_tokens": usage["total_tokens"]}
 
-    def stream(self, chunks: _Stream) -> _Stream:
+    def stream(self, chunks: ClosingStream) -> ClosingStream:
         """The Responses events of a stream of chat completion chunks (which runs its own cleanup)."""
-        return _Stream(_Events(self).of(chunks.body_iterator), chunks.on_close, media_type="text/event-stream",
-                       headers={"Cache-Control": "no-cache"})
+        return ClosingStream(_Events(self).of(chunks.body_iterator), chunks.on_close,
+                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def reasoning_item(text: str, item_id: str | None = None) -> dict:

@@ -46,7 +46,7 @@ def valid_unicode(text: str) -> str:
     return text
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     # Unknown fields (logprobs, user, ...) are ignored as OpenAI-compatible servers do; a null means the
     # default, as in OpenAI's API. Types are strict, as OpenAI's are: "5" is not an int, true not a 1, and
     # NaN and infinity are not numbers.
@@ -146,7 +146,7 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
-class CompletionBody(_Body):
+class CompletionBody(RequestBody):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -214,7 +214,7 @@ class Message(BaseModel):
         return "".join(texts)
 
 
-class ChatBody(_Body, _Refusing):
+class ChatBody(RequestBody, _Refusing):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool | None = False
@@ -255,4 +255,4 @@ def _default(value, default):
     return default if value is None else value
 
 
-_Body.model_rebuild()
+RequestBody.model_rebuild()
