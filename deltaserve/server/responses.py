@@ -43,12 +43,25 @@ class ResponsesBody(RequestBody):
     previous_response_id: str | None = None
     conversation: Any = None
     background: bool | None = None
+    prompt: Any = None
+    max_tool_calls: Any = None
+    top_logprobs: Any = None
 
     @field_validator("previous_response_id", "conversation", mode="before")
     @classmethod
     def _nothing_kept(cls, value):
         if value is not None:
             raise ValueError("this server stores no responses: send the whole conversation as input")
+        return value
+
+    @field_validator("prompt", "max_tool_calls", "top_logprobs", mode="before")
+    @classmethod
+    def _refused(cls, value, info):
+        why = {"prompt": "stored prompt templates (send instructions and input)",
+               "max_tool_calls": "a bound on tool calls (the reply's calls are all returned)",
+               "top_logprobs": "logprobs in responses (the chat completions route returns them)"}
+        if value is not None:
+            raise ValueError(f"not supported by this server: {why[info.field_name]}")
         return value
 
     @field_validator("background")

@@ -130,6 +130,9 @@ def test_text_format_json_schema(client):
     ({"input": [{"type": "function_call", "name": "f"}]}, "input[0].call_id", "needs 'call_id'"),
     ({"input": []}, "input", "holds no message"),
     ({"n": 2}, "n", "one output"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt", "stored prompt templates"),
+    ({"max_tool_calls": 1}, "max_tool_calls", "a bound on tool calls"),
+    ({"top_logprobs": 2}, "top_logprobs", "logprobs in responses"),
     ({"temperature": 3}, "temperature", ""),
 ])
 def test_bad_requests_are_refused_by_name(server, body, param, fragment):
