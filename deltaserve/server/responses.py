@@ -27,6 +27,17 @@ ROLES = {"user": "user", "system": "system", "developer": "system", "assistant":
 TEXT_PARTS = ("input_text", "output_text", "text")
 # include values that ask for nothing this server leaves out (reasoning comes back in the clear)
 INCLUDES = ("reasoning.encrypted_content",)
+# parameters this server cannot honour: (why, the one value it takes besides null)
+REFUSED = {
+    "previous_response_id": ("stored responses (send the whole conversation as input)", None),
+    "conversation": ("stored conversations (send the whole conversation as input)", None),
+    "background": ("responses answered later (they are answered in the request)", False),
+    "prompt": ("stored prompt templates (send instructions and input)", None),
+    "max_tool_calls": ("a bound on tool calls (the reply's calls are all returned)", None),
+    "top_logprobs": ("logprobs in responses (the chat completions route returns them)", None),
+    "truncation": ("truncation 'auto': input items are not dropped (a prompt past the context is refused)",
+                   "disabled"),
+}
 
 
 class ResponsesBody(RequestBody):
@@ -39,44 +50,20 @@ class ResponsesBody(RequestBody):
     text: dict | None = None
     reasoning: dict | None = None
     include: list[str] | None = None
-    truncation: str | None = None
-    previous_response_id: str | None = None
+    previous_response_id: Any = None
     conversation: Any = None
-    background: bool | None = None
+    background: Any = None
     prompt: Any = None
     max_tool_calls: Any = None
     top_logprobs: Any = None
+    truncation: Any = None
 
-    @field_validator("previous_response_id", "conversation", mode="before")
-    @classmethod
-    def _nothing_kept(cls, value):
-        if value is not None:
-            raise ValueError("this server stores no responses: send the whole conversation as input")
-        return value
-
-    @field_validator("prompt", "max_tool_calls", "top_logprobs", mode="before")
+    @field_validator(*REFUSED, mode="before")
     @classmethod
     def _refused(cls, value, info):
-        why = {"prompt": "stored prompt templates (send instructions and input)",
-               "max_tool_calls": "a bound on tool calls (the reply's calls are all returned)",
-               "top_logprobs": "logprobs in responses (the chat completions route returns them)"}
-        if value is not None:
-            raise ValueError(f"not supported by this server: {why[info.field_name]}")
-        return value
-
-    @field_validator("background")
-    @classmethod
-    def _answered_now(cls, value):
-        if value:
-            raise ValueError("not supported by this server: responses are answered in the request")
-        return value
-
-    @field_validator("truncation")
-    @classmethod
-    def _no_truncation(cls, value):
-        if value not in (None, "disabled"):
-            raise ValueError("only 'disabled': this server does not drop input items (a prompt past the context "
-                             "is refused)")
+        reason, default = REFUSED[info.field_name]
+        if value not in (None, default):
+            raise ValueError(f"not supported by this server: {reason}")
         return value
 
     @field_validator("include")

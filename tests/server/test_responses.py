@@ -118,7 +118,8 @@ def test_text_format_json_schema(client):
 
 
 @pytest.mark.parametrize("body, param, fragment", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "stored responses"),
+    ({"truncation": "auto"}, "truncation", "input items are not dropped"),
     ({"store": True}, "store", "stores no"),
     ({"background": True}, "background", "answered in the request"),
     ({"include": ["message.output_text.logprobs"]}, "include", "message.output_text.logprobs"),
@@ -138,3 +139,10 @@ def test_text_format_json_schema(client):
 def test_bad_requests_are_refused_by_name(server, body, param, fragment):
     response = httpx.post(server.url + "/v1/responses", json={"model": "tiny", "input": "hi", **body}, timeout=60)
     assert_error(response, 400, param, fragment)
+
+
+def test_the_values_those_parameters_take_are_accepted(server):
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, "background": False, "truncation": "disabled",
+            "include": ["reasoning.encrypted_content"], "store": False, "previous_response_id": None}
+    response = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+    assert response.status_code == 200 and response.json()["status"] == "incomplete"
