@@ -137,6 +137,20 @@ def _add_sampling_args(p: argparse.ArgumentParser):
                    help="generate past end-of-generation tokens, until --max-tokens or a stop string")
 
 
+def _add_run_args(p: argparse.ArgumentParser):
+    _add_model_args(p)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("-p", "--prompt", help="the text to continue")
+    source.add_argument("-f", "--file", help="read the text to continue from this file ('-': standard input)")
+    _add_sampling_args(p)
+    p.add_argument("-j", "--json-schema", metavar="SCHEMA",
+                   help="the continuation is JSON that follows this JSON schema: its text, or @FILE ('{}': any JSON "
+                        "value)")
+    p.add_argument("--no-token-healing", action="store_true",
+                   help="keep the prompt's last token as it is (by default a prompt ending inside a longer token, "
+                        "such as 'ROMEO.' before '.\\n', is backed off by it and the first token must start with it)")
+
+
 def _add_make_model_args(p: argparse.ArgumentParser):
     # deltaserve.convert's names, written out: importing them would import torch (a test keeps them equal)
     p.add_argument("--arch", required=True, choices=("kimi-linear", "qwen35", "qwen35moe", "qwen3next"),
@@ -364,17 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="generate text and stream it to the terminal",
                          description="Generate a continuation of PROMPT and stream it to the terminal.")
-    _add_model_args(run)
-    source = run.add_mutually_exclusive_group(required=True)
-    source.add_argument("-p", "--prompt", help="the text to continue")
-    source.add_argument("-f", "--file", help="read the text to continue from this file ('-': standard input)")
-    _add_sampling_args(run)
-    run.add_argument("-j", "--json-schema", metavar="SCHEMA",
-                     help="the continuation is JSON that follows this JSON schema: its text, or @FILE ('{}': any "
-                          "JSON value)")
-    run.add_argument("--no-token-healing", action="store_true",
-                     help="keep the prompt's last token as it is (by default a prompt ending inside a longer token, "
-                          "such as 'ROMEO.' before '.\\n', is backed off by it and the first token must start with it)")
+    _add_run_args(run)
     run.set_defaults(fn=cmd_run)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal",

@@ -23,7 +23,7 @@ from .chat_request import chat_inputs
 from .errors import JSON, APIError, echo
 from .generation import SHUTTING_DOWN, Generation, Inflight, Prompt
 from .middleware import Guard
-from .responses import Response, ResponsesBody, chat_body
+from .responses import install_responses
 from .schemas import ChatBody, CompletionBody, valid_unicode
 from .structured import chat_grammar
 from .tokenize import install_tokenize
@@ -117,12 +117,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
         return await generate(request, body, [Prompt(ids, (reply_start, len(ids)))], max_tokens, chat=True,
                               output=output, grammar=grammar)
 
-    @app.post("/v1/responses")
-    async def responses(body: ResponsesBody, request: Request):
-        response = Response(body, engine.model_name, engine.tokenizer)
-        out = await chat(chat_body(body), request)  # the chat completion, or its stream
-        return response.stream(out) if body.stream else response.of_chat(out)
-
+    install_responses(app, engine, chat)
     install_tokenize(app, engine, prompts)
     return app
 

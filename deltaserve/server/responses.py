@@ -15,6 +15,7 @@ import time
 import uuid
 from typing import Any
 
+from fastapi import FastAPI, Request
 from pydantic import Field, ValidationError, field_validator
 
 from deltaserve.tokenizer import Tokenizer
@@ -72,6 +73,16 @@ class ResponsesBody(RequestBody):
         if bad := [v for v in values or [] if v not in INCLUDES]:
             raise ValueError(f"not supported by this server: {', '.join(map(str, bad))}")
         return values
+
+
+def install_responses(app: FastAPI, engine, chat) -> None:
+    """POST /v1/responses over `chat`, the app's chat completions route (its body, the request)."""
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesBody, request: Request):
+        response = Response(body, engine.model_name, engine.tokenizer)
+        out = await chat(chat_body(body), request)  # the chat completion, or its stream
+        return response.stream(out) if body.stream else response.of_chat(out)
 
 
 def chat_body(body: ResponsesBody) -> ChatBody:
