@@ -62,10 +62,17 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
     async def health():
         return {"status": "ok"}
 
+    served = {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "deltaserve",
+              "max_model_len": engine.max_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0,
-                                            "owned_by": "deltaserve", "max_model_len": engine.max_len}]}
+        return {"object": "list", "data": [served]}
+
+    @app.get("/v1/models/{name:path}")  # (a path: model ids may hold '/')
+    async def model(name: str):
+        _check_model(engine, name)
+        return served
 
     @app.get("/metrics")
     async def metrics():

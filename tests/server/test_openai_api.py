@@ -13,6 +13,9 @@ from .conftest import API_KEY, PROMPT
 
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("org/other-model")
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
 
