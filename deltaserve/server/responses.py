@@ -114,9 +114,9 @@ def _messages(instructions: str | None, items: str | list[dict]) -> list[dict]:
     messages: list[dict] = []
     thought = None
     for i, item in enumerate(items):
-        kind = item.get("type", "message")
+        kind, role = item.get("type", "message"), item.get("role")
         if kind == "message":
-            role = ROLES.get(item.get("role"))
+            role = ROLES.get(role) if isinstance(role, str) else None
             if role is None:
                 raise APIError(400, f"input[{i}]: role must be one of {', '.join(ROLES)}", f"input[{i}].role")
             messages.append({"role": role, "content": _text(i, item.get("content"))})
@@ -131,12 +131,13 @@ def _messages(instructions: str | None, items: str | list[dict]) -> list[dict]:
             messages.append({"role": "tool", "tool_call_id": _string(i, item, "call_id"),
                              "content": output if isinstance(output, str) else _text(i, output)})
         elif kind == "reasoning":
-            thought = "".join(p.get("text", "") for p in item.get("content") or item.get("summary") or []
-                              if isinstance(p, dict))
+            parts = item.get("content") or item.get("summary") or []
+            thought = "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)) \
+                if isinstance(parts, list) else ""
             continue
         else:
-            raise APIError(400, f"input[{i}]: items of type '{kind}' are not supported (message, function_call, "
-                                "function_call_output, reasoning)", f"input[{i}].type")
+            raise APIError(400, f"input[{i}]: items of type {json.dumps(kind)[:40]} are not supported (message, "
+                                "function_call, function_call_output, reasoning)", f"input[{i}].type")
         if thought is not None and messages[-1]["role"] == "assistant":
             messages[-1]["reasoning_content"] = thought
         thought = None

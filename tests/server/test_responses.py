@@ -8,6 +8,7 @@ import json
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from .conftest import assert_error
 from .toolmodel import ANSWER, CALL_ARGS, QUESTION, RESULT, THOUGHT, WEATHER
@@ -126,7 +127,7 @@ def test_text_format_json_schema(client):
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", "only function tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
      "only text parts"),
-    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "'item_reference' are not supported"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", '"item_reference" are not supported'),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role", "role must be one of"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input[0].call_id", "needs 'call_id'"),
     ({"input": []}, "input", "holds no message"),
@@ -146,3 +147,30 @@ def test_the_values_those_parameters_take_are_accepted(server):
             "include": ["reasoning.encrypted_content"], "store": False, "previous_response_id": None}
     response = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
     assert response.status_code == 200 and response.json()["status"] == "incomplete"
+
+
+KEYS = ["type", "role", "content", "text", "call_id", "name", "arguments", "output", "summary", "id", "status"]
+VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=6)
+                      | st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "user",
+                                         "assistant", "developer", "input_text", "output_text", "reasoning_text"]),
+                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(KEYS), inner,
+                                                                                  max_size=4), max_leaves=12)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(items=st.lists(st.dictionaries(st.sampled_from(KEYS), VALUES, max_size=5), max_size=4))
+def test_any_input_items_get_an_answer_or_a_400_naming_the_input(server, items):
+    response = httpx.post(server.url + "/v1/responses", timeout=60,
+                          json={"model": "tiny", "input": items, "max_output_tokens": 1, "temperature": 0})
+    assert response.status_code in (200, 400), response.text[:300]
+    if response.status_code == 400:
+        assert_error(response, 400)["param"].startswith(("input", "messages"))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(field=st.sampled_from(["tools", "tool_choice", "text", "reasoning", "instructions", "include", "metadata",
+                              "truncation", "parallel_tool_calls", "max_output_tokens"]), value=VALUES)
+def test_any_value_of_a_field_gets_an_answer_or_a_400(server, field, value):
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 1, "temperature": 0, field: value}
+    response = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+    assert response.status_code in (200, 400), response.text[:300]
