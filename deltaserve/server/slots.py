@@ -1,4 +1,5 @@
-"""llama-server's slot API: GET /slots, and POST /slots/{id}?action=save|restore|erase with {"filename"}.
+"""llama-server's slot API: GET /slots, and POST /slots/{id}?action=save|restore|erase with {"filename"}; and its
+GET /props (the context, the slots, the chat template and special tokens: what its web UI and clients read).
 
 A slot's state (its tokens, their KV rows, its recurrent state) goes to a file in the directory given by
 `serve --slot-save-path`; restored into any idle slot, a prompt that extends those tokens prefills only
@@ -16,6 +17,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict
 
+from deltaserve import __version__
 from deltaserve.engine.engine import Engine
 from deltaserve.errors import DeltaserveError, SlotBusyError
 
@@ -32,6 +34,16 @@ class SlotBody(BaseModel):
 
 def install(app: FastAPI, engine: Engine, folder: str | Path | None) -> None:
     cache = engine.runner.cache
+
+    @app.get("/props")
+    async def props():
+        tokens = engine.tokenizer.special_token_texts
+        return {"default_generation_settings": {"n_ctx": engine.max_len, "params": {
+                    "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}},  # (a request's defaults: schemas)
+                "total_slots": cache.n_slots, "model_alias": engine.model_name,
+                "modalities": {"vision": False, "audio": False}, "chat_template": engine.tokenizer.template or "",
+                "bos_token": tokens["bos_token"] or "", "eos_token": tokens["eos_token"] or "",
+                "build_info": f"deltaserve {__version__}"}
 
     @app.get("/slots")
     async def slots():

@@ -116,3 +116,23 @@ def test_without_a_save_path_saving_is_off_and_a_busy_slot_is_refused(make_serve
     r = action(server, 0, "save", "busy.bin")
     worker.join()
     assert r.status_code == 409 and r.json()["error"]["code"] == "slot_busy"
+
+
+def test_props_describe_the_server_as_llama_servers_do(server, tiny_gguf):
+    """GET /props: the context and slots the test engine was made with (conftest: 512 tokens, 4 slots), and the
+    template and special tokens the GGUF holds (read back with gguf-py, not through our loader)."""
+    import gguf
+
+    reader = gguf.GGUFReader(tiny_gguf)
+
+    def field(key):
+        f = reader.fields[key]
+        return bytes(f.parts[f.data[0]]).decode() if f.types[0] == gguf.GGUFValueType.STRING else int(f.parts[-1][0])
+
+    tokens = [bytes(reader.fields["tokenizer.ggml.tokens"].parts[i]).decode()
+              for i in reader.fields["tokenizer.ggml.tokens"].data]
+    props = httpx.get(server.url + "/props").json()
+    assert props["default_generation_settings"]["n_ctx"] == 512 and props["total_slots"] == 4
+    assert props["chat_template"] == field("tokenizer.chat_template")
+    assert props["eos_token"] == tokens[field("tokenizer.ggml.eos_token_id")]
+    assert props["model_alias"] == "tiny" and props["modalities"] == {"vision": False, "audio": False}
