@@ -151,7 +151,8 @@ def test_api_key_guards_every_route_but_health_and_the_chat_page(secured_server)
     assert httpx.get(url + "/health").status_code == 200
     assert httpx.get(url + "/").status_code == 200  # the page holds no data: it asks for the key itself
     for method, path in [("get", "/v1/models"), ("post", "/v1/completions"), ("get", "/metrics"),
-                         ("post", "/v1/chat/completions"), ("get", "/index.html")]:
+                         ("post", "/v1/chat/completions"), ("get", "/index.html"), ("post", "/v1/responses"),
+                         ("get", "/v1/models/tiny"), ("get", "/props")]:
         r = getattr(httpx, method)(url + path, timeout=30)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     ok = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
