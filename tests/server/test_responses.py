@@ -174,3 +174,33 @@ def test_any_value_of_a_field_gets_an_answer_or_a_400(server, field, value):
     body = {"model": "tiny", "input": "hi", "max_output_tokens": 1, "temperature": 0, field: value}
     response = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
     assert response.status_code in (200, 400), response.text[:300]
+
+
+def test_an_engine_failure_is_a_500_or_ends_the_stream_with_response_failed(tiny_gguf):
+    """As test_isolation's engine error: a model whose ids outrun its tokenizer's fails inside the engine. The
+    whole response is a JSON 500; a stream ends with an error event and response.failed, naming no internals."""
+    from deltaserve.engine.engine import Engine
+    from deltaserve.engine.llm import load
+    from deltaserve.server.app import create_app
+
+    from .conftest import LiveServer
+
+    model, _ = load(None)
+    _, small_tokenizer = load(tiny_gguf)
+    engine = Engine(model, small_tokenizer, n_slots=2, max_len=256, model_name="mismatch")
+    live = LiveServer(create_app(engine))
+    body = {"model": "mismatch", "input": "ROMEO:", "max_output_tokens": 50, "temperature": 2.0, "seed": 1,
+            "ignore_eos": True}
+    try:
+        error = assert_error(httpx.post(live.url + "/v1/responses", json=body, timeout=60), 500, None,
+                             "the engine failed")
+        assert error["code"] == "engine_error"
+        with httpx.stream("POST", live.url + "/v1/responses", json={**body, "stream": True}, timeout=60) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+        assert [e["type"] for e in events[:1] + events[-2:]] == ["response.created", "error", "response.failed"]
+        failed = events[-1]["response"]
+        assert failed["status"] == "failed" and failed["error"]["code"] == "engine_error"
+        assert "Traceback" not in json.dumps(events) and "vocabulary" not in json.dumps(events)
+    finally:
+        live.stop()
+        engine.close()
