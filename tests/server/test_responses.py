@@ -10,7 +10,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from .conftest import assert_error
+from .conftest import assert_error, settled
 from .toolmodel import ANSWER, CALL_ARGS, QUESTION, RESULT, THOUGHT, WEATHER
 
 openai = pytest.importorskip("openai")
@@ -204,3 +204,15 @@ def test_an_engine_failure_is_a_500_or_ends_the_stream_with_response_failed(tiny
     finally:
         live.stop()
         engine.close()
+
+
+def test_a_client_leaving_a_stream_frees_its_slot(server, engine):
+    before = engine.metrics.generated_tokens_total
+    with httpx.stream("POST", server.url + "/v1/responses", timeout=30,
+                      json={"model": "tiny", "input": "Tell me a story", "max_output_tokens": 400, "stream": True,
+                            "temperature": 0, "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:])["type"].endswith(".delta"):
+                break  # leave after the first piece of text
+    assert settled(engine) and engine.runner.free_slots() == engine.runner.n_slots
+    assert engine.metrics.generated_tokens_total - before < 400  # it did not run to the end
