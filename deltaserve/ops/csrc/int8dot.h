@@ -132,16 +132,16 @@ inline void quantize_block(const float* x, XBlock& out) {
 // x [M, K] as XBlocks into out [M * K / 256], rows in groups of kRows (fewer in the last), each group
 // [K / 256][rows]: a group's rows for one weight block lie together.
 // where row m's block b lies in that layout
-inline int64_t xblock_at(int64_t M, int64_t nb, int64_t m, int64_t b) {
-  const int64_t g = m / kRows * kRows, rows = std::min<int64_t>(kRows, M - g);
+inline int64_t xblock_at(int64_t M, int64_t nb, int64_t m, int64_t b, int64_t group = kRows) {
+  const int64_t g = m / group * group, rows = std::min<int64_t>(group, M - g);
   return g * nb + b * rows + m - g;
 }
 
-inline void quantize_rows(const float* x, int64_t M, int64_t K, XBlock* out) {
+inline void quantize_rows(const float* x, int64_t M, int64_t K, XBlock* out, int64_t group = kRows) {
   const int64_t nb = K / 256;
   at::parallel_for(0, M, 8, [&](int64_t lo, int64_t hi) {
     for (int64_t m = lo; m < hi; ++m)
-      for (int64_t b = 0; b < nb; ++b) quantize_block(x + m * K + 256 * b, out[xblock_at(M, nb, m, b)]);
+      for (int64_t b = 0; b < nb; ++b) quantize_block(x + m * K + 256 * b, out[xblock_at(M, nb, m, b, group)]);
   });
 }
 

@@ -28,6 +28,10 @@ namespace kq {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kPanelGemm = true;
+// activation rows per pass over a panel: 10 chains of vpdpbusd (latency 4, two a cycle on Zen 5) and their sums in
+// registers; against 8: +2-4% at 256-512 x 1024-6144 x 1024-3584 (Q4_K, IQ4_XS, Q6_K; the same bits), where 12
+// spilled (-1% to +5%). x is quantised in groups of this many rows for it (xblock_at's group).
+constexpr int64_t kPanelRows = 10;
 
 // y[m][0 .. 16) (stride ldy, `rows` lanes stored) = the panel's rows . activation rows m < MB (x: [nb][MB]). G: codes
 // per scale and offset: 32 for the per32 types (Q4_K, Q5_K, IQ4_XS), whose panels pair their offsets by 32, which halves
@@ -49,15 +53,15 @@ inline void panel_rows(const Panel* p, const XBlock* x, int64_t nb, float* y, in
 #pragma GCC unroll 8
       for (int c = 0; c < kChunks; ++c) {
         const __m512i codes = _mm512_load_si512(pb.q[kChunks * i + c]);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int m = 0; m < MB; ++m) sub[m] = dot4(sub[m], codes, xb[m].q + 4 * (kChunks * i + c));
       }
       const __m512i sc = _mm512_load_si512(pb.sc[i * G / 16]);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int m = 0; m < MB; ++m) blk[m] = _mm512_add_epi32(blk[m], _mm512_mullo_epi32(sub[m], sc));
     }
     const __m512 d = _mm512_load_ps(pb.d), o = _mm512_load_ps(pb.o);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) {
       __m512i off = _mm512_setzero_si512();
       for (int i = 0; i < 128 / G; ++i) {  // pairs of offsets (int8panel.h) times pairs of the activations' sums
@@ -77,16 +81,17 @@ inline void panel_rows(const Panel* p, const XBlock* x, int64_t nb, float* y, in
 template <int G>
 inline void panel_group(int64_t mb, const Panel* p, const XBlock* x, int64_t nb, float* y, int64_t ldy, int64_t rows) {
   using Fn = void (*)(const Panel*, const XBlock*, int64_t, float*, int64_t, int64_t);
-  static constexpr Fn by_rows[8] = {panel_rows<1, G>, panel_rows<2, G>, panel_rows<3, G>, panel_rows<4, G>,
-                                    panel_rows<5, G>, panel_rows<6, G>, panel_rows<7, G>, panel_rows<8, G>};
-  by_rows[std::min<int64_t>(mb, 8) - 1](p, x, nb, y, ldy, rows);
+  static constexpr Fn by_rows[kPanelRows] = {panel_rows<1, G>, panel_rows<2, G>, panel_rows<3, G>, panel_rows<4, G>,
+                                             panel_rows<5, G>, panel_rows<6, G>, panel_rows<7, G>, panel_rows<8, G>,
+                                             panel_rows<9, G>, panel_rows<10, G>};
+  by_rows[std::min<int64_t>(mb, kPanelRows) - 1](p, x, nb, y, ldy, rows);
 }
 
 // y [M, N] = xq (quantize_rows of x [M, K]) @ W^T, threads over tiles of up to 16 weight rows of one segment (its
 // row panels, then its other rows 16 at a time), each opened into Panels once (a segment of 32-weight blocks': into
 // a q8::Tile32, multiplied by x rounded per 32, x8) and run over every group of activation rows.
 inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* xq, const q8::Q8Acts& x8, int64_t M,
-                        int64_t K, float* y) {
+                        int64_t K, float* y, int64_t group) {
   const int64_t nb = K / 256, N = seg.rows;
   struct Tile {
     int64_t s, n0, rows;
@@ -127,9 +132,9 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
         amx_group(panels.data(), wide.data(), mins ? (by32 ? 32 : 16) : 0, open, codes.data(), xq, M, K, y, N);
       else
 #endif
-        for (int64_t g = 0; g < M; g += kRows)
+        for (int64_t g = 0; g < M; g += group)
           for (size_t j = 0; j < open.size(); ++j)
-            (by32 ? panel_group<32> : panel_group<16>)(std::min<int64_t>(kRows, M - g), panels.data() + j * nb,
+            (by32 ? panel_group<32> : panel_group<16>)(std::min<int64_t>(group, M - g), panels.data() + j * nb,
                                                         xq + g * nb, nb, y + g * N + open[j].first, N, open[j].second);
       open.clear();
     };
@@ -176,7 +181,9 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
 }
 #else
 constexpr bool kPanelGemm = false;
-inline void gemm_panels(const Segments&, const uint8_t*, const XBlock*, const q8::Q8Acts&, int64_t, int64_t, float*) {}
+constexpr int64_t kPanelRows = kRows;
+inline void gemm_panels(const Segments&, const uint8_t*, const XBlock*, const q8::Q8Acts&, int64_t, int64_t, float*,
+                        int64_t) {}
 #endif
 
 // y[m][n0 .. n1) (N apart) for rows n0 .. n1 of segment s, of 32-weight blocks, and every activation row m of x8:
@@ -242,14 +249,16 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
   std::vector<XBlock>& xbuf = M <= kRows ? decode_buf : prefill_buf;
   if (xbuf.size() < static_cast<size_t>(M * nb)) xbuf.resize(M * nb);
   const XBlock* xq = xbuf.data();
-  if (round256) quantize_rows(x.data_ptr<float>(), M, K, xbuf.data());
+  // (the AMX tiles and the other ISAs' kernels read x in groups of kRows)
+  const int64_t group = kPanelGemm && M > kRows && !amx::enabled() ? kPanelRows : kRows;
+  if (round256) quantize_rows(x.data_ptr<float>(), M, K, xbuf.data(), group);
   static thread_local q8::Q8Acts decode_x8;  // x rounded per 32, for rows of 32-weight blocks
   q8::Q8Acts prefill_x8;
   q8::Q8Acts& x8 = M <= kRows ? decode_x8 : prefill_x8;
   if (round32) x8.quantize(x.data_ptr<float>(), M, K);
   const uint8_t* base = bytes.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  if (kPanelGemm && M > kRows) return gemm_panels(seg, base, xq, x8, M, K, yp);
+  if (kPanelGemm && M > kRows) return gemm_panels(seg, base, xq, x8, M, K, yp, group);
   if (kDirectGemv && M <= kRows) return gemv_direct(seg, base, xq, x8, M, K, yp);
   // decode: one row, opened into L1 and used at once; prefill: 32, so that each few rows of x are read from L1 by
   // 32 weight rows (at 16 the AVX2 build's 512 x 3584 K-quant GEMMs ran 10% slower, x coming from L3)
