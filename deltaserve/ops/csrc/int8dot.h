@@ -129,8 +129,8 @@ inline void quantize_block(const float* x, XBlock& out) {
   for (int i = 0; i < 8; ++i) out.bs32[i] = static_cast<int16_t>(out.bs[2 * i] + out.bs[2 * i + 1]);
 }
 
-// x [M, K] as XBlocks into out [M * K / 256], rows in groups of kRows (fewer in the last), each group
-// [K / 256][rows]: a group's rows for one weight block lie together.
+// x [M, K] as XBlocks into out [M * K / 256], rows in groups of `group` (kRows; the VNNI panel GEMM's kPanelRows),
+// fewer in the last, each group [K / 256][rows]: a group's rows for one weight block lie together.
 // where row m's block b lies in that layout
 inline int64_t xblock_at(int64_t M, int64_t nb, int64_t m, int64_t b, int64_t group = kRows) {
   const int64_t g = m / group * group, rows = std::min<int64_t>(group, M - g);
