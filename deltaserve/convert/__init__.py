@@ -8,8 +8,9 @@ for tests and benchmarks (`deltaserve make-model`).
 """
 
 from .files import TensorDict, write_gguf, write_hf_dir
-from .presets import DTYPES, PRESETS, MadeModel, make_model, preset_config, train_tokenizer
+from .presets import DTYPES, PRESETS, VOCABULARIES, MadeModel, make_model, preset_config, qwen35_tokenizer, train_tokenizer
 from .quantize import QUANTIZE_TYPES, quantize_gguf, tensor_types
 
-__all__ = ["DTYPES", "PRESETS", "QUANTIZE_TYPES", "MadeModel", "TensorDict", "make_model", "preset_config",
-           "quantize_gguf", "tensor_types", "train_tokenizer", "write_gguf", "write_hf_dir"]
+__all__ = ["DTYPES", "PRESETS", "QUANTIZE_TYPES", "VOCABULARIES", "MadeModel", "TensorDict", "make_model",
+           "preset_config", "quantize_gguf", "qwen35_tokenizer", "tensor_types", "train_tokenizer", "write_gguf",
+           "write_hf_dir"]

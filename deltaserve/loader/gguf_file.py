@@ -1,4 +1,5 @@
-"""A GGUF checkpoint: metadata as Python values, tensors dequantised one at a time from the mmap.
+"""A GGUF checkpoint: metadata as Python values (arrays of strings as StringArray, the file's bytes), tensors
+dequantised one at a time from the mmap.
 
 The header (a key/value list, then a tensor table) is parsed here rather than by gguf.GGUFReader:
 the reader walks every array element by element in Python (15 s for a 250k-token vocabulary on
@@ -12,7 +13,7 @@ import os
 import struct
 import sys
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -23,6 +24,7 @@ from tqdm import tqdm
 
 from deltaserve.errors import ModelLoadError
 from deltaserve.loader import quants
+from deltaserve.loader.strings import StringArray
 
 V = GGUFValueType
 _SCALARS = {V.UINT8: "<B", V.INT8: "<b", V.BOOL: "<?", V.UINT16: "<H", V.INT16: "<h",
@@ -85,7 +87,17 @@ class _HeaderParser:
         if count * 8 > self.size - self.pos:  # a string or array item takes at least 8 bytes
             self.fail(f"file is truncated or corrupt: {what} claims {count} items, "
                       f"but only {self.size - self.pos} bytes remain")
+        if item_type == V.STRING:
+            return self.strings(count, what)
         return [self.value(item_type, what, depth + 1) for _ in range(count)]
+
+    def strings(self, count: int, what: str) -> StringArray:
+        """An array of `count` strings, each checked as `string` checks one, kept as a StringArray."""
+        first, starts = self.pos, np.empty(count, np.uint32 if self.size - self.pos < 1 << 32 else np.int64)
+        for i in range(count):
+            starts[i] = self.pos + 8 - first  # past its length
+            self.string(what)  # checked, then dropped: the array decodes an item again when it is read
+        return StringArray(bytes(self.buf[first:self.pos]), starts)
 
     def tensor_table(self, entries: list, data_start: int, alignment: int) -> dict[str, TensorInfo]:
         """The tensors' types, shapes and byte ranges, laid out as llama.cpp requires (gguf.cpp): in header
@@ -221,6 +233,7 @@ class GGUFCheckpoint:
             raise ModelLoadError(self.path, f"cannot read the file: {e.strerror or e}") from None
         self.metadata: dict[str, Any]
         self.metadata, self._tensors = _HeaderParser(self.path, self._buf).parse()
+        self._release(0, min((t.offset for t in self._tensors.values()), default=len(self._buf)))  # read, copied
         self.arch: str = self.get("general.architecture")
 
     def __repr__(self) -> str:
@@ -280,7 +293,7 @@ class GGUFCheckpoint:
             out = quants.dequantize(raw, qtype, found)
         except ValueError as e:
             raise ModelLoadError(self.path, str(e), tensor=name) from None
-        self._release(self.info(name))
+        self.release(name)
         return out.to(dtype)
 
     def load_rows(self, name: str, start: int, end: int) -> torch.Tensor:
@@ -294,7 +307,7 @@ class GGUFCheckpoint:
         except ValueError as e:
             raise ModelLoadError(self.path, str(e), tensor=name) from None
         info = self.info(name)
-        self._release(replace(info, offset=info.offset + start * row_bytes, nbytes=(end - start) * row_bytes))
+        self._release(info.offset + start * row_bytes, (end - start) * row_bytes)
         return out
 
     def float_dtype(self, name: str) -> torch.dtype | None:
@@ -313,14 +326,18 @@ class GGUFCheckpoint:
         row_bytes = raw.numel() // R
         out.copy_(raw[start * row_bytes:end * row_bytes].view(quants.FLOAT_TYPES[qtype]).view(end - start, C))
         info = self.info(name)
-        self._release(replace(info, offset=info.offset + start * row_bytes, nbytes=(end - start) * row_bytes))
+        self._release(info.offset + start * row_bytes, (end - start) * row_bytes)
 
-    def _release(self, info: TensorInfo) -> None:
-        """The tensor's bytes were copied out: drop their pages from this process (the file stays cached by
-        the OS), so loading never holds the file and the weights at once."""
+    def release(self, name: str) -> None:
+        """Tensor `name`'s bytes were copied out (by a caller that read `raw`): drop their pages from this process."""
+        self._release(self.info(name).offset, self.info(name).nbytes)
+
+    def _release(self, offset: int, nbytes: int) -> None:
+        """Bytes copied out (a tensor's, the header's): drop their pages from this process (the file stays cached
+        by the OS), so loading never holds the file and the weights at once."""
         if hasattr(self._buf, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
-            first = -(-info.offset // mmap.PAGESIZE) * mmap.PAGESIZE
-            last = (info.offset + info.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+            first = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+            last = (offset + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
             if last > first:
                 self._buf.madvise(mmap.MADV_DONTNEED, first, last - first)
 

@@ -375,6 +375,6 @@ def _leaf_names(layout: Layout) -> list[str]:
 def _drop_pages(ckpt, name: str) -> None:
     """The tensor's bytes are copied out: let the file's pages go from this process, as GGUFCheckpoint.load
     does after decoding (else a 5 GB file stays mapped beside its 5 GB copy)."""
-    release = getattr(ckpt, "_release", None)
+    release = getattr(ckpt, "release", None)  # a GGUF file's (a safetensors directory copies nothing out)
     if release is not None:
-        release(ckpt.info(name))
+        release(name)

@@ -10,6 +10,7 @@ from gguf import quants as ref
 
 from deltaserve.errors import ModelLoadError
 from deltaserve.loader import GGUFCheckpoint, open_checkpoint
+from deltaserve.loader.strings import StringArray
 
 METADATA = {
     "general.name": "tiny héllo ✓",
@@ -160,6 +161,9 @@ def test_metadata_round_trip(ckpt):
         got = ckpt.metadata[key]
         if isinstance(value, float) or (isinstance(value, list) and isinstance(value[0], float)):
             assert got == pytest.approx(value, rel=1e-7)  # stored as float32
+        elif isinstance(value, list) and isinstance(value[0], str):
+            assert isinstance(got, StringArray) and got == value and list(got) == value
+            assert [got[i] for i in range(-len(value), len(value))] == value + value and got[1:3] == value[1:3]
         else:
             assert got == value and type(got) is type(value)
     assert ckpt.get("tiny.big") == 2**40 + 3
@@ -173,6 +177,14 @@ def test_metadata_matches_gguf_reader(written, ckpt):
     expected = {k: f.contents() for k, f in fields.items() if not k.startswith("GGUF.")}
     assert ckpt.metadata == expected
     assert list(ckpt.metadata) == list(expected)  # file order kept
+
+
+def test_a_string_array_item_that_is_not_utf8(written, tmp_path):
+    data = written[0].read_bytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(data.replace(" wörld".encode(), b" w\xff\xferld", 1))  # the same length: only the text breaks
+    with pytest.raises(ModelLoadError, match=r"metadata 'tokenizer.ggml.tokens' is not valid UTF-8"):
+        GGUFCheckpoint(bad)
 
 
 def test_get_missing_key(ckpt):
