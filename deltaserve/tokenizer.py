@@ -23,7 +23,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trai
 from tokenizers import Tokenizer as _Backend
 
 from deltaserve.errors import ChatTemplateError, DeltaserveError, ModelLoadError
-from deltaserve.loader.strings import StringArray
+from deltaserve.strings import StringArray
 from deltaserve.chat_template import compile_chat_template
 
 # llama.cpp's word splits (src/llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_QWEN2 and _QWEN35). They spell

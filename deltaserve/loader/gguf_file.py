@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from deltaserve.errors import ModelLoadError
 from deltaserve.loader import quants
-from deltaserve.loader.strings import StringArray
+from deltaserve.strings import StringArray
 
 V = GGUFValueType
 _SCALARS = {V.UINT8: "<B", V.INT8: "<b", V.BOOL: "<?", V.UINT16: "<H", V.INT16: "<h",

@@ -10,7 +10,7 @@ from gguf import quants as ref
 
 from deltaserve.errors import ModelLoadError
 from deltaserve.loader import GGUFCheckpoint, open_checkpoint
-from deltaserve.loader.strings import StringArray
+from deltaserve.strings import StringArray
 
 METADATA = {
     "general.name": "tiny héllo ✓",

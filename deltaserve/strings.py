@@ -1,4 +1,4 @@
-"""Arrays of strings read from a file, kept as its bytes (numpy only: the tokenizer imports this without torch)."""
+"""Arrays of strings read from a file, kept as its bytes: the loader makes them, the tokenizer reads them (numpy only)."""
 
 import operator
 from collections.abc import Iterator, Sequence
