@@ -29,6 +29,8 @@ def test_deltaserve_worker_measures_its_imports_before_the_model(tiny_gguf):
     alone = fresh_rss_mb("import torch\nfrom deltaserve.engine.llm import LLM")
     assert abs(run["import_rss_mb"] - alone) < 0.1 * alone, (run["import_rss_mb"], alone)
     assert run["peak_rss_mb"] > run["import_rss_mb"]  # the model, its state and the passes come on top
+    # the GEMVs' passes, each paired with a read of as many bytes: rates, and the share their median ratio gives
+    assert run["gemv_gbps"] > 0 and run["read_beside_gbps"] > 0 and run["gemv_share"] > 0
 
 
 def test_the_peers_worker_carries_no_torch():

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -33,6 +34,21 @@ def test_probes_give_rates_this_cpu_can_reach():
     assert 1e8 < ext.probe_read(torch.ones(1 << 20, dtype=torch.uint8), 3) < 1e13
     with pytest.raises(RuntimeError, match="whole 256s"):
         ext.probe_read(torch.ones(300, dtype=torch.uint8), 1)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_read_sum_is_the_sum_of_the_bytes(threads):
+    """The bench's timed read pass reads every byte once, whatever share each thread takes (3 threads split 1,027
+    blocks unevenly); numpy's sum is the reference."""
+    ext, before = fused.extension(), torch.get_num_threads()
+    data = np.random.default_rng(threads).integers(0, 256, 1027 * 256, dtype=np.uint8)
+    try:
+        torch.set_num_threads(threads)
+        assert ext.read_sum(torch.from_numpy(data)) == int(data.sum(dtype=np.int64))
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="whole 256s"):
+        ext.read_sum(torch.ones(300, dtype=torch.uint8))
 
 
 def test_bench_kernels_reports_rates_within_the_measured_peaks(tmp_path):

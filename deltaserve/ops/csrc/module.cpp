@@ -78,6 +78,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_enabled", &deltaserve::amx::enabled, "whether the kernels take their AMX paths (built, granted, not turned off)");
   m.def("set_amx", &deltaserve::amx::set_enabled, "ask for the AMX paths (True) or the AVX-512 ones; returns amx_enabled()");
   m.def("probe_read", &deltaserve::probe_read, "bytes read per second, all threads (buf, reps)");
+  m.def("read_sum", &deltaserve::read_sum, "the sum of a uint8 buffer's bytes, read once on all threads (a timed pass)");
   m.def("linear_bf16", &deltaserve::bf16::linear_bf16,
         "float32 activations (rounded to bfloat16 where asked and AVX512_BF16 is built) times bfloat16 weights (CPU)");
   m.def("linear_bf16_shares", [](torch::Tensor x, torch::Tensor w, torch::Tensor y, bool round) {

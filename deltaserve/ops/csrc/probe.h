@@ -199,4 +199,46 @@ inline double probe_read(torch::Tensor buf, int64_t reps) {
   });
 }
 
+// the sum of buf's bytes, read once on all threads, each its contiguous share, prefetched as the decode GEMVs
+// prefetch their rows: a pass the bench times by the wall clock beside a pass of the decode GEMVs over as many bytes,
+// measured as they are (probe_read's fastest rounds are a peak no whole pass reaches)
+inline int64_t read_sum(torch::Tensor buf) {
+  TORCH_CHECK(buf.dtype() == torch::kUInt8 && buf.is_contiguous() && buf.numel() % 256 == 0, "buf must be uint8, whole 256s");
+  const uint8_t* p = buf.data_ptr<uint8_t>();
+  const int64_t n = buf.numel() / 256, threads = at::get_num_threads();
+  std::vector<int64_t> part(threads, 0);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t lo = n * t / threads, hi = n * (t + 1) / threads;
+      int64_t sum = 0;
+#if defined(__AVX512BW__)
+      __m512i acc = _mm512_setzero_si512();
+      for (int64_t i = lo; i < hi; ++i)
+        for (int c = 0; c < 4; ++c) {
+          _mm_prefetch(reinterpret_cast<const char*>(p + 256 * i + kF16Prefetch + 64 * c), _MM_HINT_T1);
+          acc = _mm512_add_epi64(acc, _mm512_sad_epu8(_mm512_loadu_si512(p + 256 * i + 64 * c), _mm512_setzero_si512()));
+        }
+      sum = _mm512_reduce_add_epi64(acc);
+#elif defined(__AVX2__)
+      __m256i acc = _mm256_setzero_si256();
+      for (int64_t i = lo; i < hi; ++i)
+        for (int c = 0; c < 8; ++c) {
+          if (c % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + 256 * i + kF16Prefetch + 32 * c), _MM_HINT_T1);
+          acc = _mm256_add_epi64(acc, _mm256_sad_epu8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256 * i + 32 * c)),
+                                                      _mm256_setzero_si256()));
+        }
+      alignas(32) int64_t lanes[4];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
+      sum = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+#else
+      for (int64_t i = 256 * lo; i < 256 * hi; ++i) sum += p[i];
+#endif
+      part[t] = sum;
+    }
+  });
+  int64_t total = 0;
+  for (int64_t s : part) total += s;
+  return total;
+}
+
 }  // namespace deltaserve
