@@ -164,6 +164,7 @@ class Tokenizer:
         if len(vocab) != len(tokens):
             dup = next(t for i, t in enumerate(tokens) if vocab[t] != i)
             raise ModelLoadError(source, f"tokenizer.ggml.tokens has '{dup}' twice")
+        tokens = list(vocab)  # the same strings in id order: a StringArray decodes each item again when read
         pairs = _merge_pairs(merges, vocab, source)
         try:
             # qwen35's ranks do not always rise with a token's length, so BPE from the merges can split a
