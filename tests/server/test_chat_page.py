@@ -80,9 +80,12 @@ def test_thinking_is_folded_away(server, browser):
 
 @pytest.fixture
 def long_engine(tiny_gguf):
-    """The tiny model with a context of 16k tokens: a reply to its end takes seconds, not the fraction of one that
-    the shared engine's 512 take on a fast machine (a Stop clicked then finds the reply already done)."""
+    """The tiny model with a context of 16k tokens and no end-of-sequence token: a reply to its end takes seconds,
+    not the fraction of one that the shared engine's 512 take on a fast machine (a Stop clicked then finds the reply
+    already done). Its greedy reply to "Hello?" ends with <|im_end|> after 644 tokens, half a second here, which
+    a Stop clicked at once missed in 2 of 3 runs: without an end the reply runs to the context's."""
     model, tokenizer = load(tiny_gguf)
+    tokenizer.eos_token_ids = set()
     eng = Engine(model, tokenizer, n_slots=1, max_len=16384, prefill_chunk=64, model_name="tiny")
     yield eng
     eng.close()
