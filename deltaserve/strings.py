@@ -34,6 +34,11 @@ class StringArray(Sequence):
         data, starts = self._data, self._starts.tolist() + [len(self._data) + 8]
         return (str(data[a:b - 8], "utf-8") for a, b in zip(starts, starts[1:]))
 
+    def spans(self) -> tuple[bytes, np.ndarray, np.ndarray]:
+        """The bytes holding every item, and where each item's UTF-8 starts and ends in them (int64)."""
+        ends = np.append(self._starts[1:] - 8, len(self._data)).astype(np.int64)
+        return self._data, self._starts.astype(np.int64), ends
+
     def __eq__(self, other) -> bool:
         if not isinstance(other, (list, tuple, StringArray)):
             return NotImplemented

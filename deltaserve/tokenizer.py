@@ -3,8 +3,9 @@
 Two sources give the same tokenizer: GGUF metadata (`tokenizer.ggml.*`, split the way llama.cpp
 splits it) and a Hugging Face directory (`tokenizer.json`). `train_bpe` makes small ones for
 random-weight test models and `Tokenizer.write_gguf` stores them so that llama.cpp loads them.
-Encoding runs in the `tokenizers` library; decoding maps each token to its bytes the way llama.cpp
-does (normal tokens through GPT-2's byte alphabet, added tokens as written, padding to nothing).
+Encoding runs in deltaserve.bpe (a GGUF's or a trained vocabulary in C++ tables, a tokenizer.json in the
+`tokenizers` library); decoding maps each token to its bytes the way llama.cpp does (normal tokens through
+GPT-2's byte alphabet, added tokens as written, padding to nothing).
 """
 
 from __future__ import annotations
@@ -19,35 +20,14 @@ from typing import Iterable, Sequence
 
 import jinja2
 from gguf import GGUFWriter, TokenType
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
-from tokenizers import Tokenizer as _Backend
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as RustTokenizer
 
+from deltaserve import bpe
 from deltaserve.errors import ChatTemplateError, DeltaserveError, ModelLoadError
 from deltaserve.strings import StringArray
 from deltaserve.chat_template import compile_chat_template
 
-# llama.cpp's word splits (src/llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_QWEN2 and _QWEN35). They spell
-# the contractions out where Qwen's tokenizer.json has (?i:'s|'t|...). qwen35 keeps combining marks
-# (\p{M}) with the letters they modify instead of splitting them off as punctuation.
-_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-PRE_TOKENIZER_REGEX = {
-    "qwen2": _CONTRACTIONS
-    + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    "qwen35": _CONTRACTIONS
-    + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-}
-
-# pre-tokenizers whose vocabulary maps a pre-token it holds whole to that token, before any merge
-IGNORE_MERGES = {"qwen35"}
-
-# llama.cpp's splits for a GGUF that names no pre-tokenizer (LLAMA_VOCAB_PRE_TYPE_DEFAULT): four expressions,
-# each splitting the pieces the one before it left.
-DEFAULT_PRE_TOKENIZER = (
-    r"[\p{P}\$\+<=>\^~\|]+",
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
-    r"\p{N}+",
-    r"[0-9][0-9][0-9]",
-)
 _TOKEN_TYPES = range(0, max(TokenType) + 1)  # llama.cpp's LLAMA_TOKEN_TYPE_UNDEFINED (0) .. BYTE (6)
 
 # Tokens that end generation when the vocabulary has them, as llama.cpp decides (its EOG set).
@@ -90,17 +70,6 @@ def _token_bytes(text: str, kind: int) -> bytes:
         return text.encode()
 
 
-def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    if pre != "default" and pre not in PRE_TOKENIZER_REGEX:
-        known = ", ".join([*PRE_TOKENIZER_REGEX, "default"])
-        raise DeltaserveError(f"tokenizer.ggml.pre '{pre}' is not supported (known: {known})")
-    regexes = DEFAULT_PRE_TOKENIZER if pre == "default" else [PRE_TOKENIZER_REGEX[pre]]
-    return pre_tokenizers.Sequence([
-        *(pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in regexes),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-    ])
-
-
 class Tokenizer:
     """Byte-level BPE tokenizer. Build it with `from_gguf_metadata`, `from_hf_dir` or `train_bpe`.
 
@@ -108,18 +77,18 @@ class Tokenizer:
     special ones that `skip_special_tokens` drops, UNUSED ones are padding rows that decode to "".
     """
 
-    def __init__(self, backend: _Backend, tokens: Sequence[str], token_types: list[int], *,
+    def __init__(self, vocab: bpe.Vocabulary | bpe.RustVocabulary, tokens: Sequence[str], token_types: list[int], *,
                  eos_token_id: int | None, bos_token_id: int | None = None,
                  pad_token_id: int | None = None, add_bos: bool = False,
                  chat_template: str | None = None, extra_eos_ids: Iterable[int] = (),
                  pre: str | None = None):
-        # the token texts stay in the backend until `tokens` is read (a 248k vocabulary as strings is 16 MB)
-        self._backend, self.token_types = backend, array("B", token_types)
+        # the token texts stay in the vocabulary's tables until `tokens` is read (248k of them as str are 16 MB)
+        self._vocab, self.token_types = vocab, array("B", token_types)
         self.eos_token_id, self.bos_token_id, self.pad_token_id = eos_token_id, bos_token_id, pad_token_id
         self.add_bos, self.chat_template, self.pre = add_bos, chat_template, pre
         self._pieces = _Pieces(_token_bytes(t, k) for t, k in zip(tokens, token_types))
         self._special = {i for i, k in enumerate(token_types) if k in (TokenType.CONTROL, TokenType.UNKNOWN)}
-        named = (backend.token_to_id(name) for name in END_OF_GENERATION)
+        named = (vocab.find(name) for name in END_OF_GENERATION)
         self.eos_token_ids = {i for i in (eos_token_id, *extra_eos_ids, *named) if i is not None}
         self._template: tuple[str, jinja2.Template] | None = None  # (source, compiled)
 
@@ -130,13 +99,13 @@ class Tokenizer:
     @functools.cached_property
     def tokens(self) -> list[str]:
         """The text of every id ("" where the vocabulary has a hole); built on first use (0.2 s for 248k)."""
-        return [self._backend.id_to_token(i) or "" for i in range(self.vocab_size)]
+        return [self._vocab.token(i) for i in range(self.vocab_size)]
 
     @property
     def special_token_texts(self) -> dict[str, str | None]:
         """bos/eos/pad as text, the names chat templates and tokenizer_config.json use."""
         ids = {"bos_token": self.bos_token_id, "eos_token": self.eos_token_id, "pad_token": self.pad_token_id}
-        return {name: None if i is None else self._backend.id_to_token(i) for name, i in ids.items()}
+        return {name: None if i is None else self._vocab.token(i) for name, i in ids.items()}
 
     # -- construction --------------------------------------------------------------------------
 
@@ -156,36 +125,27 @@ class Tokenizer:
             warnings.warn(f"{source}: tokenizer.ggml.pre is missing; splitting words with llama.cpp's 'default' "
                           "pre-tokenizer (generation quality may suffer: reconvert the model)", stacklevel=2)
             pre = "default"
-        if not isinstance(pre, str) or (pre != "default" and pre not in PRE_TOKENIZER_REGEX):
-            known = ", ".join([*PRE_TOKENIZER_REGEX, "default"])
+        if not isinstance(pre, str) or (pre != "default" and pre not in bpe.PRE_TOKENIZER_REGEX):
+            known = ", ".join([*bpe.PRE_TOKENIZER_REGEX, "default"])
             raise ModelLoadError(source, f"tokenizer.ggml.pre {pre!r} is not supported (known: {known})")
         tokens, types, merges = _gguf_vocabulary(metadata, source)
-        vocab = {t: i for i, t in enumerate(tokens)}
-        if len(vocab) != len(tokens):
-            dup = next(t for i, t in enumerate(tokens) if vocab[t] != i)
-            raise ModelLoadError(source, f"tokenizer.ggml.tokens has '{dup}' twice")
-        tokens = list(vocab)  # the same strings in id order: a StringArray decodes each item again when read
-        pairs = _merge_pairs(merges, vocab, source)
+        special = [tokens[i] for i, k in enumerate(types) if k in (TokenType.CONTROL, TokenType.UNKNOWN)]
+        added = [tokens[i] for i, k in enumerate(types) if k == TokenType.USER_DEFINED]
         try:
-            # qwen35's ranks do not always rise with a token's length, so BPE from the merges can split a
-            # whole-word token ("俱乐部" into 3); the ids the model was trained on map a pre-token that is in
-            # the vocabulary to that token (tiktoken, and HF's tokenizer.json with ignore_merges), and GGUF
-            # has no flag for it: it follows from the pre-tokenizer
-            backend = _Backend(models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre in IGNORE_MERGES))
+            vocab = bpe.vocabulary(tokens, merges, special, added, pre)
         except Exception as error:  # the Rust side raises plain Exception
-            raise ModelLoadError(source, f"tokenizers cannot build the vocabulary: {error}") from None
-        backend.pre_tokenizer, backend.decoder = _pre_tokenizer(pre), decoders.ByteLevel()
-        # Every id keeps its GGUF position: the added tokens already sit in the BPE vocabulary.
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t, k in zip(tokens, types) if k in (TokenType.CONTROL, TokenType.UNKNOWN)])
-        backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                            for t, k in zip(tokens, types) if k == TokenType.USER_DEFINED])
+            raise ModelLoadError(source, f"cannot build the vocabulary: {error}") from None
+        if vocab.duplicate is not None:
+            raise ModelLoadError(source, f"tokenizer.ggml.tokens has '{tokens[vocab.duplicate]}' twice")
+        if vocab.bad_merge is not None:
+            raise ModelLoadError(source, f"tokenizer.ggml.merges[{vocab.bad_merge}] {merges[vocab.bad_merge]!r:.60} "
+                                         "is not two tokens of the vocabulary that join into a third")
 
         def token_id(key):
             value = get(key)
             return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(tokens) else None
 
-        return cls(backend, tokens, types, eos_token_id=token_id("eos_token_id"),
+        return cls(vocab, tokens, types, eos_token_id=token_id("eos_token_id"),
                    bos_token_id=token_id("bos_token_id"), pad_token_id=token_id("padding_token_id"),
                    add_bos=get("add_bos_token") is True, chat_template=_template_text(metadata, source),
                    extra_eos_ids=[i for i in [token_id("eot_token_id")] if i is not None], pre=pre)
@@ -204,7 +164,7 @@ class Tokenizer:
         if model != "BPE" or decoder != "ByteLevel":
             raise ModelLoadError(file, f"model '{model}' with decoder '{decoder}' is not byte-level BPE")
         try:
-            backend = _Backend.from_file(str(file))
+            backend = RustTokenizer.from_file(str(file))
         except Exception as error:  # the Rust side raises plain Exception
             raise ModelLoadError(file, f"tokenizers cannot load it: {error}") from error
         backend.no_padding()
@@ -222,7 +182,7 @@ class Tokenizer:
             text = value.get("content") if isinstance(value, dict) else value
             return backend.token_to_id(text) if isinstance(text, str) else None
 
-        return cls(backend, tokens, types, eos_token_id=token_id(config.get("eos_token")),
+        return cls(bpe.RustVocabulary(backend), tokens, types, eos_token_id=token_id(config.get("eos_token")),
                    bos_token_id=token_id(config.get("bos_token")), pad_token_id=token_id(config.get("pad_token")),
                    add_bos=config.get("add_bos_token") is True, chat_template=_hf_chat_template(path, config),
                    extra_eos_ids=_hf_eos_ids(path, generation, len(tokens)))
@@ -233,7 +193,7 @@ class Tokenizer:
         """Token ids of `text`. Special tokens written in the text ("<|im_start|>") become single
         ids, as llama.cpp does with parse_special=True; add_special_tokens prepends BOS if the
         tokenizer asks for it (Qwen does not)."""
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        ids = self._vocab.encode(text)
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids
@@ -271,7 +231,7 @@ class Tokenizer:
     def template(self) -> str | None:
         """The chat template prompts are rendered with: the checkpoint's, else ChatML when the vocabulary has
         its <|im_start|> and <|im_end|> (a Qwen vocabulary without a template), else None."""
-        if self.chat_template is None and all(self._backend.token_to_id(t) is not None
+        if self.chat_template is None and all(self._vocab.find(t) is not None
                                               for t in ("<|im_start|>", "<|im_end|>")):
             return CHATML_TEMPLATE
         return self.chat_template
@@ -343,16 +303,24 @@ class Tokenizer:
         """Write tokenizer.json and tokenizer_config.json into `path` (made if missing)."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        (path / "tokenizer.json").write_text(self._backend.to_str(), encoding="utf-8")
+        (path / "tokenizer.json").write_text(self._rust().to_str(), encoding="utf-8")
         config = self.special_token_texts | {"add_bos_token": self.add_bos, "chat_template": self.chat_template,
                    "tokenizer_class": "PreTrainedTokenizerFast"}
         (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+
+    def _rust(self) -> RustTokenizer:
+        """The `tokenizers` form of this vocabulary (which writes tokenizer.json)."""
+        if isinstance(self._vocab, bpe.RustVocabulary):
+            return self._vocab.backend
+        kinds = [(TokenType.CONTROL, TokenType.UNKNOWN), (TokenType.USER_DEFINED,)]
+        special, added = ([t for t, k in zip(self.tokens, self.token_types) if k in kind] for kind in kinds)
+        return bpe.RustVocabulary.build(self.tokens, self._vocab.merges(), special, added, self.pre).backend
 
     def gguf_fields(self, pad_to: int | None = None, pre: str | None = None) -> dict:
         """The tokenizer.* GGUF key/values. `pad_to` pads the token list with UNUSED "[PAD<id>]"
         tokens (as convert_hf_to_gguf.py does) so that llama.cpp's n_vocab equals the embedding rows."""
         pre = pre or self.pre or "qwen2"
-        _pre_tokenizer(pre)  # names an unknown pre-tokenizer
+        bpe.pre_tokenizer(pre)  # names an unknown pre-tokenizer
         tokens, types = list(self.tokens), [int(k) for k in self.token_types]
         if pad_to is not None:
             if pad_to < len(tokens):
@@ -362,13 +330,13 @@ class Tokenizer:
                 raise DeltaserveError(f"padding token {sorted(clash)[0]} is already in the vocabulary")
             tokens += padding
             types += [int(TokenType.UNUSED)] * len(padding)
-        merges = json.loads(self._backend.to_str())["model"]["merges"]
+        merges = self._vocab.merges()
         fields = {
             "tokenizer.ggml.model": "gpt2",
             "tokenizer.ggml.pre": pre,
             "tokenizer.ggml.tokens": tokens,
             "tokenizer.ggml.token_type": types,
-            "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in merges],
+            "tokenizer.ggml.merges": merges,
             "tokenizer.ggml.add_bos_token": self.add_bos,
         }
         ids = {"eos_token_id": self.eos_token_id, "bos_token_id": self.bos_token_id,
@@ -455,8 +423,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int,
     if vocab_size < len(special_tokens) + 256:
         raise DeltaserveError(f"vocab_size={vocab_size} cannot hold the 256 bytes and "
                               f"{len(special_tokens)} special tokens")
-    backend = _Backend(models.BPE())
-    backend.pre_tokenizer, backend.decoder = _pre_tokenizer("qwen2"), decoders.ByteLevel()
+    backend = RustTokenizer(models.BPE())
+    backend.pre_tokenizer, backend.decoder = bpe.pre_tokenizer("qwen2"), decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[AddedToken(t, special=True, normalized=False) for t in special_tokens]
@@ -471,7 +439,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int,
     ids = {t: i for i, t in enumerate(tokens) if t in special_tokens}
     eos = ids.get("<|im_end|>", ids.get("<|endoftext|>"))
     chatml = "<|im_start|>" in ids and "<|im_end|>" in ids
-    return Tokenizer(backend, tokens, types, eos_token_id=eos, bos_token_id=ids.get("<|endoftext|>"),
+    merges = bpe.RustVocabulary(backend).merges()
+    vocab = bpe.vocabulary(tokens, merges, special_tokens, added_tokens, "qwen2")
+    return Tokenizer(vocab, tokens, types, eos_token_id=eos, bos_token_id=ids.get("<|endoftext|>"),
                      pad_token_id=ids.get("<|endoftext|>"),
                      chat_template=CHATML_TEMPLATE if chatml else None, pre="qwen2")
 
@@ -502,20 +472,6 @@ def _gguf_vocabulary(metadata: dict, source: str) -> tuple[Sequence[str], list[i
         raise ModelLoadError(source, f"tokenizer.ggml.token_type[{bad}] is {types[bad]}, not a token type "
                                      f"({_TOKEN_TYPES.start}..{_TOKEN_TYPES.stop - 1})")
     return tokens, types, merges
-
-
-def _merge_pairs(merges: Sequence[str], vocab: dict[str, int], source: str) -> list[tuple[str, str]]:
-    """The merges as pairs, split as llama.cpp splits "a b" (at the first space after the first character);
-    both parts and their join must be tokens of the vocabulary."""
-    pairs = []
-    for i, merge in enumerate(merges):
-        cut = merge.find(" ", 1)
-        pair = (merge[:cut], merge[cut + 1:])
-        if cut < 0 or pair[0] not in vocab or pair[1] not in vocab or pair[0] + pair[1] not in vocab:
-            raise ModelLoadError(source, f"tokenizer.ggml.merges[{i}] {merge!r:.60} is not two tokens of the "
-                                         "vocabulary that join into a third")
-        pairs.append(pair)
-    return pairs
 
 
 def _template_text(metadata: dict, source: str) -> str | None:

@@ -15,7 +15,7 @@ PACKAGE = Path(deltaserve.__file__).resolve().parent
 # Rank of each top-level module or subpackage of deltaserve; a module may import ranks up to its own.
 # tokenizer, errors and the kernels sit below everything; bench and train are tools over the server.
 RANKS = {
-    "errors": 0, "tokenizer": 0, "chat_template": 0, "callforms": 0, "ops": 0, "data": 0, "strings": 0,
+    "errors": 0, "tokenizer": 0, "chat_template": 0, "callforms": 0, "ops": 0, "data": 0, "strings": 0, "bpe": 0,
     "loader": 1,
     "models": 2,
     "cache": 3, "convert": 3,  # convert writes what models read

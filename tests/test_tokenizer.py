@@ -13,8 +13,8 @@ from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode as hf_bytes_to_unicode
 
 from deltaserve.errors import DeltaserveError, ModelLoadError
-from deltaserve.tokenizer import (CHATML_TEMPLATE, PRE_TOKENIZER_REGEX, Tokenizer, bytes_to_unicode,
-                                  train_bpe)
+from deltaserve.bpe import PRE_TOKENIZER_REGEX, pre_tokenizer
+from deltaserve.tokenizer import CHATML_TEMPLATE, Tokenizer, bytes_to_unicode, train_bpe
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. It's not what we'd expect; they're sure I'll go.",
@@ -471,7 +471,7 @@ def test_missing_pre_is_llama_cpps_default_with_a_warning(tok):
         ours = Tokenizer.from_gguf_metadata(fields, source="m.gguf")
     assert ours.pre == "default"
     # hand-computed: punctuation runs, GPT-2 words, digit runs, then digits in threes
-    pieces = [p for p, _ in ours._backend.pre_tokenizer.pre_tokenize_str("a!!b 1234567 it's")]
+    pieces = [p for p, _ in pre_tokenizer(ours.pre).pre_tokenize_str("a!!b 1234567 it's")]
     assert pieces == ["a", "!!", "b", "Ġ", "123", "456", "7", "Ġit", "'", "s"]
     explicit = Tokenizer.from_gguf_metadata(tok.gguf_fields(pre="default"))
     assert all(ours.encode(text) == explicit.encode(text) for text in TEXTS)

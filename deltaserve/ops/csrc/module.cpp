@@ -5,10 +5,11 @@
 // int8dot.h, int8gemv.h, panel_gemv.h, int8panel.h, int8gemm.h, int8gemm_amx.h, int8ktile_avx2.h and panels.h (integer dot products of K-quant blocks; int8q8.h of Q8_0 ones with activations rounded to int8,
 // q8acts.h that rounding, int8legacy.h and int8legacy_avx2.h the other 32-weight blocks), probe.h (peaks),
 // bf16.h (float32 activations times bfloat16 weights; its AMX prefill in bf16_amx.h), amx.h (whether the tiles run),
-// attention.h (tiled attention over the KV cache for long spans), plan.h (a decode step or verify pass through dense
+// attention.h (tiled attention over the KV cache for long spans), bpe.h (a BPE vocabulary's tables), plan.h (a decode step or verify pass through dense
 // layers, and the MTP layer's drafts), spec.h (a greedy speculative step with those drafts).
 #include "attention.h"
 #include "bf16.h"
+#include "bpe.h"
 #include "conv.h"
 #include "delta_rule.h"
 #include "f16gemm.h"
@@ -93,6 +94,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   deltaserve::bind_plan(m);
   // spec.h: drafts, verify, acceptance and rollback of a greedy speculative step in one call
   deltaserve::bind_spec(m);
+
+  // bpe.h: a byte-level BPE vocabulary's tables and its merges
+  deltaserve::bpe::bind_bpe(m);
 
   // attention.h
   m.def("attention_cached", &deltaserve::attention_cached, "tiled causal attention over a KV cache (CPU, float32 q)");
