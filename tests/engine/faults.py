@@ -74,6 +74,14 @@ class Pending:
         return self.events[-1]
 
 
+def together(engine: Engine, *prompts: str | tuple[int, ...]) -> list[Pending]:
+    """Requests submitted while the engine's loop cannot take its queue (it takes it under this lock, which
+    submit takes again: re-entrant), so that its next step sees them all: two submitted one after the other
+    were first stepped apart in 1 of 3 runs here."""
+    with engine._wake:
+        return [Pending(engine, prompt) for prompt in prompts]
+
+
 def serve(engine: Engine, prompt: str | tuple[int, ...]) -> Done:
     return Pending(engine, prompt).done()
 

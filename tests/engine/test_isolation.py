@@ -9,7 +9,7 @@ import pytest
 from deltaserve.engine.llm import DEFAULT_MODEL
 from deltaserve.engine.sampling import SamplingParams
 
-from .faults import GREEDY, N, PROMPTS, REPEAT, VERSE, Fault, Pending, serve, settles
+from .faults import GREEDY, N, PROMPTS, REPEAT, VERSE, Fault, Pending, serve, settles, together
 
 pytestmark = pytest.mark.skipif(not DEFAULT_MODEL.exists(), reason="the embedded model is not built in this checkout")
 
@@ -80,7 +80,7 @@ def test_a_failed_batched_draft_harms_no_request(engine, reference, monkeypatch,
     drafter = eng.speculator.drafter
     fault = Fault(drafter.propose, when=lambda slots, *a, **k: len(slots) == 2)
     monkeypatch.setattr(drafter, "propose", fault)
-    a, b = Pending(eng, REPEAT), Pending(eng, REPEAT)
+    a, b = together(eng, REPEAT, REPEAT)
     assert [a.done().token_ids, b.done().token_ids] == [reference(REPEAT)] * 2
     assert fault.fired and retried(caplog) == 1
 
@@ -95,7 +95,7 @@ def test_a_failed_batched_verify_harms_no_request(engine, embedded, reference, m
     fault = Fault(model.forward, after=True,
                   when=lambda tokens, *a, snapshots=None, **k: snapshots is not None and tokens.shape[0] == 2)
     monkeypatch.setattr(model, "forward", fault)
-    a, b = Pending(eng, REPEAT), Pending(eng, REPEAT)
+    a, b = together(eng, REPEAT, REPEAT)
     assert [a.done().token_ids, b.done().token_ids] == [reference(REPEAT)] * 2
     assert fault.fired and retried(caplog) == 1
     assert serve(eng, VERSE).token_ids == reference(VERSE)
@@ -110,7 +110,7 @@ def test_a_failed_one_call_mtp_step_harms_no_request(engine, embedded, reference
     model = embedded[0]
     fault = Fault(model.mtp_greedy_step, after=True, when=lambda state, slots, *a: len(slots) == 2)
     monkeypatch.setattr(model, "mtp_greedy_step", fault)
-    a, b = Pending(eng, REPEAT), Pending(eng, REPEAT)
+    a, b = together(eng, REPEAT, REPEAT)
     assert [a.done().token_ids, b.done().token_ids] == [reference(REPEAT)] * 2
     assert fault.fired and retried(caplog) == 1 and eng.speculator.steps > 0
     assert serve(eng, VERSE).token_ids == reference(VERSE)

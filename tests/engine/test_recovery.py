@@ -20,7 +20,7 @@ from deltaserve.engine.llm import DEFAULT_MODEL, LLM
 from deltaserve.engine.request import Delta, Done
 from deltaserve.errors import DeltaserveError
 
-from .faults import CHUNK, GREEDY, N, PROMPTS, REPEAT, VERSE, Fault, Pending, decoding, prefilling, serve, settles
+from .faults import CHUNK, GREEDY, N, PROMPTS, REPEAT, VERSE, Fault, Pending, decoding, prefilling, serve, settles, together
 
 pytestmark = pytest.mark.skipif(not DEFAULT_MODEL.exists(), reason="the embedded model is not built in this checkout")
 
@@ -70,7 +70,7 @@ def test_forward_error_in_a_decode_step(engine, embedded, reference, monkeypatch
     model = embedded[0]
     fault = Fault(model.forward, when=lambda tokens, *a, **k: tuple(tokens.shape) == (2, 1), after=True)
     monkeypatch.setattr(model, "forward", fault)
-    a, b = Pending(eng, VERSE), Pending(eng, PROMPTS[0])
+    a, b = together(eng, VERSE, PROMPTS[0])
     assert [a.done().token_ids, b.done().token_ids] == [reference(VERSE), reference(PROMPTS[0])]
     assert fault.fired and len(failures(caplog)) == 1
     assert_serves_correctly(eng, reference, VERSE)
