@@ -2,7 +2,7 @@
 whole, the pre-tokenizer's word splits (into GPT-2's byte alphabet), then each word's merges by rank.
 
 Two forms give the same ids. `Vocabulary` holds the tables in C++ (ops/csrc/bpe.h: Qwen3.5's 248k tokens and 500k
-merges in 21 MB, built straight from the GGUF's bytes); `RustVocabulary` wraps the `tokenizers` library's BPE
+merges in 22 MB, built straight from the GGUF's bytes); `RustVocabulary` wraps the `tokenizers` library's BPE
 model (72 MB for the same), which reads Hugging Face's tokenizer.json, writes it back, and encodes where the C++
 kernels cannot be compiled. Both split words with `tokenizers`' pre-tokenizers.
 """

@@ -14,6 +14,8 @@ import weakref
 
 import torch
 
+from deltaserve.ops import fused
+
 _M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD = -3, -1  # glibc mallopt parameters
 _NEVER_TRIM = (1 << 31) - 1  # (mallopt takes an int)
 _GLIBC_MAX_MMAP_THRESHOLD = 32 << 20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
@@ -27,7 +29,9 @@ def loading_memory():
     memory for a 0.8B model, varying run to run. Inside this context blocks from 1 MB go through mmap and
     back to the system when freed; after it the threshold is glibc's maximum and the heap is no longer trimmed
     (the activations of a run reuse heap blocks: no page faults), and the load's freed heap pages are returned
-    once. Elsewhere than glibc: no effect.
+    once. Elsewhere than glibc: no effect. After it, tensors of 1-32 MB come from a range of their own
+    (ops/csrc/blocks.h: in the heap, small allocations split the holes they leave, and the heap grew by 100 MB
+    in prefills whose blocks were 37 MB at most).
 
     Why not trim: trimmed, the heap's top went back to the system at the frees and every prefill chunk faulted
     its activations in again (4 prefills of 2,048 tokens of a 0.8B Q4_K_M model: 57-65k page faults; untrimmed
@@ -44,6 +48,8 @@ def loading_memory():
             libc.mallopt(_M_MMAP_THRESHOLD, _GLIBC_MAX_MMAP_THRESHOLD)
             libc.mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM)
             libc.malloc_trim(0)
+        if fused.available():
+            fused.extension().use_block_range()
 
 
 def _glibc():

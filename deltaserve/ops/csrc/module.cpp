@@ -5,10 +5,12 @@
 // int8dot.h, int8gemv.h, panel_gemv.h, int8panel.h, int8gemm.h, int8gemm_amx.h, int8ktile_avx2.h and panels.h (integer dot products of K-quant blocks; int8q8.h of Q8_0 ones with activations rounded to int8,
 // q8acts.h that rounding, int8legacy.h and int8legacy_avx2.h the other 32-weight blocks), probe.h (peaks),
 // bf16.h (float32 activations times bfloat16 weights; its AMX prefill in bf16_amx.h), amx.h (whether the tiles run),
-// attention.h (tiled attention over the KV cache for long spans), bpe.h (a BPE vocabulary's tables), plan.h (a decode step or verify pass through dense
+// attention.h (tiled attention over the KV cache for long spans), bpe.h (a BPE vocabulary's tables), blocks.h (an allocator
+// for mid-sized tensors), plan.h (a decode step or verify pass through dense
 // layers, and the MTP layer's drafts), spec.h (a greedy speculative step with those drafts).
 #include "attention.h"
 #include "bf16.h"
+#include "blocks.h"
 #include "bpe.h"
 #include "conv.h"
 #include "delta_rule.h"
@@ -94,6 +96,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   deltaserve::bind_plan(m);
   // spec.h: drafts, verify, acceptance and rollback of a greedy speculative step in one call
   deltaserve::bind_spec(m);
+
+  // blocks.h: torch's CPU tensors of 1-32 MB from an address range of their own
+  m.def("use_block_range", &deltaserve::use_block_range, "make BlockRange torch's CPU allocator (once); False where it cannot");
+  m.def("block_range_usage", &deltaserve::block_range_usage, "(bytes of the range ever used, bytes in blocks now)");
 
   // bpe.h: a byte-level BPE vocabulary's tables and its merges
   deltaserve::bpe::bind_bpe(m);
