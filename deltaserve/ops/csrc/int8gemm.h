@@ -243,15 +243,23 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
     TORCH_CHECK(int8_type(seg.type(s)), "linear_int8: GGML type ", seg.type(s), " has no integer kernel");
     (q8::block32(seg.type(s)) ? round32 : round256) = true;
   }
-  // decode (a step makes ~70 of these calls) reuses its thread's buffers; a prefill's are its own, freed after
+  // decode (a step makes ~70 of these calls) reuses its thread's buffers; a prefill's are its own, freed after, and
+  // taken from torch's allocator (blocks.h once a model has loaded): from glibc's heap, these 1-4 MB buffers taken and
+  // freed at every call grew it by 30 MB over prefills of 2,048 tokens, other allocations splitting their holes
   static thread_local std::vector<XBlock> decode_buf;
-  std::vector<XBlock> prefill_buf;
-  std::vector<XBlock>& xbuf = M <= kRows ? decode_buf : prefill_buf;
-  if (xbuf.size() < static_cast<size_t>(M * nb)) xbuf.resize(M * nb);
-  const XBlock* xq = xbuf.data();
+  torch::Tensor prefill_buf;
+  XBlock* xbuf;
+  if (M <= kRows) {
+    if (decode_buf.size() < static_cast<size_t>(M * nb)) decode_buf.resize(M * nb);
+    xbuf = decode_buf.data();
+  } else {  // 64-byte aligned, as XBlock asks
+    prefill_buf = torch::empty({M * nb * static_cast<int64_t>(sizeof(XBlock))}, torch::kUInt8);
+    xbuf = reinterpret_cast<XBlock*>(prefill_buf.data_ptr<uint8_t>());
+  }
+  const XBlock* xq = xbuf;
   // (the AMX tiles and the other ISAs' kernels read x in groups of kRows)
   const int64_t group = kPanelGemm && M > kRows && !amx::enabled() ? kPanelRows : kRows;
-  if (round256) quantize_rows(x.data_ptr<float>(), M, K, xbuf.data(), group);
+  if (round256) quantize_rows(x.data_ptr<float>(), M, K, xbuf, group);
   static thread_local q8::Q8Acts decode_x8;  // x rounded per 32, for rows of 32-weight blocks
   q8::Q8Acts prefill_x8;
   q8::Q8Acts& x8 = M <= kRows ? decode_x8 : prefill_x8;
