@@ -54,7 +54,8 @@ def bytes_to_unicode() -> dict[int, str]:
 # the alphabet maps past latin-1 so that the token falls back to its UTF-8 text, as HF does.
 _TO_BYTE = {ord(c): b for b, c in bytes_to_unicode().items()}
 _TO_BYTE.update({c: 0x100 for c in range(256) if c not in _TO_BYTE})
-_AS_TEXT = (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)
+_SPECIAL = (TokenType.CONTROL, TokenType.UNKNOWN)  # added tokens that skip_special_tokens drops
+_AS_TEXT = (*_SPECIAL, TokenType.USER_DEFINED)
 _TEMPLATE_FAILURES = (jinja2.TemplateError, ArithmeticError, LookupError, TypeError, ValueError, AttributeError,
                       RecursionError)
 
@@ -87,7 +88,7 @@ class Tokenizer:
         self.eos_token_id, self.bos_token_id, self.pad_token_id = eos_token_id, bos_token_id, pad_token_id
         self.add_bos, self.chat_template, self.pre = add_bos, chat_template, pre
         self._pieces = _Pieces(_token_bytes(t, k) for t, k in zip(tokens, token_types))
-        self._special = {i for i, k in enumerate(token_types) if k in (TokenType.CONTROL, TokenType.UNKNOWN)}
+        self._special = {i for i, k in enumerate(token_types) if k in _SPECIAL}
         named = (vocab.find(name) for name in END_OF_GENERATION)
         self.eos_token_ids = {i for i in (eos_token_id, *extra_eos_ids, *named) if i is not None}
         self._template: tuple[str, jinja2.Template] | None = None  # (source, compiled)
@@ -129,10 +130,8 @@ class Tokenizer:
             known = ", ".join([*bpe.PRE_TOKENIZER_REGEX, "default"])
             raise ModelLoadError(source, f"tokenizer.ggml.pre {pre!r} is not supported (known: {known})")
         tokens, types, merges = _gguf_vocabulary(metadata, source)
-        special = [tokens[i] for i, k in enumerate(types) if k in (TokenType.CONTROL, TokenType.UNKNOWN)]
-        added = [tokens[i] for i, k in enumerate(types) if k == TokenType.USER_DEFINED]
         try:
-            vocab = bpe.vocabulary(tokens, merges, special, added, pre)
+            vocab = bpe.vocabulary(tokens, merges, *_added_tokens(tokens, types), pre)
         except Exception as error:  # the Rust side raises plain Exception
             raise ModelLoadError(source, f"cannot build the vocabulary: {error}") from None
         if vocab.duplicate is not None:
@@ -312,9 +311,9 @@ class Tokenizer:
         """The `tokenizers` form of this vocabulary (which writes tokenizer.json)."""
         if isinstance(self._vocab, bpe.RustVocabulary):
             return self._vocab.backend
-        kinds = [(TokenType.CONTROL, TokenType.UNKNOWN), (TokenType.USER_DEFINED,)]
-        special, added = ([t for t, k in zip(self.tokens, self.token_types) if k in kind] for kind in kinds)
-        return bpe.RustVocabulary.build(self.tokens, self._vocab.merges(), special, added, self.pre).backend
+        tokens = self.tokens
+        return bpe.RustVocabulary.build(tokens, self._vocab.merges(), *_added_tokens(tokens, self.token_types),
+                                        self.pre).backend
 
     def gguf_fields(self, pad_to: int | None = None, pre: str | None = None) -> dict:
         """The tokenizer.* GGUF key/values. `pad_to` pads the token list with UNUSED "[PAD<id>]"
@@ -444,6 +443,12 @@ def train_bpe(texts: Iterable[str], vocab_size: int,
     return Tokenizer(vocab, tokens, types, eos_token_id=eos, bos_token_id=ids.get("<|endoftext|>"),
                      pad_token_id=ids.get("<|endoftext|>"),
                      chat_template=CHATML_TEMPLATE if chatml else None, pre="qwen2")
+
+
+def _added_tokens(tokens: Sequence[str], types: Sequence[int]) -> tuple[list[str], list[str]]:
+    """The special tokens and the other added (user-defined) ones: text holding them encodes each to its id."""
+    return ([tokens[i] for i, k in enumerate(types) if k in _SPECIAL],
+            [tokens[i] for i, k in enumerate(types) if k == TokenType.USER_DEFINED])
 
 
 def _gguf_vocabulary(metadata: dict, source: str) -> tuple[Sequence[str], list[int], Sequence[str]]:
