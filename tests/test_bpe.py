@@ -96,3 +96,12 @@ def test_byte_alphabet_tokens_of_every_length():
     ours, reference = bpe.Vocabulary(tokens, merges, [], "qwen2"), bpe.RustVocabulary.build(tokens, merges, [], [], "qwen2")
     for text in ["  x", "😀😀 😀", "\x00\x01 \xff", "中文"]:
         assert ours.encode(text) == reference.encode(text)
+
+
+def test_many_added_tokens_take_tokenizers_automaton():
+    """A vocabulary whose every token is an added one (a hostile file) encodes in one pass, through tokenizers."""
+    tokens = [chr(0x4E00 + i) for i in range(bpe.MANY_ADDED + 1)]
+    many = bpe.vocabulary(tokens, [], [], tokens, "qwen2")
+    assert isinstance(many, bpe.RustVocabulary)
+    assert many.encode(tokens[5] + tokens[7] * 3) == [5, 7, 7, 7]
+    assert isinstance(bpe.vocabulary(tokens, [], [], tokens[:3], "qwen2"), bpe.Vocabulary)
