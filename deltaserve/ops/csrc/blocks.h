@@ -51,8 +51,6 @@ class BlockRange final : public c10::Allocator {
     return {static_cast<int64_t>(top_), live};
   }
 
-  bool active() const { return base_ != nullptr; }
-
   // make it torch's CPU allocator (once; False where the range could not be reserved)
   bool install() {
     static const bool installed = [this] {
