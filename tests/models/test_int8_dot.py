@@ -205,6 +205,25 @@ def test_linear_takes_the_integer_kernels_and_can_be_told_not_to(monkeypatch):
     assert_matmul(linear(x, w2), x, ref2)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 40], ids=lambda r: f"rows{r}")
+def test_rows_apart_are_read_where_they_lie(rows, prefill_path):
+    """x's rows may lie apart (the MLP's down projection reads swiglu's product, written over the gate half of
+    gate_up, 2K floats a row): read in place, Q8_K and Q8_0 roundings alike; elements apart are refused by name."""
+    K = 512
+    segments = [(Q.Q4_K, 37), (Q.Q6_K, 5)] + [(t, 21) for t in BLOCK32[:1]]
+    w, ref = packed_matrix(segments, K, seed=rows, panels=packed.panels_here())
+    wide = torch.randn(rows, 2 * K) * 3
+    x = wide[:, :K]  # rows 2K apart
+    y = linear(x, w)
+    assert torch.equal(y, run(x.contiguous(), w))
+    q8 = torch.cat([torch.full((n,), t in BLOCK32) for t, n in segments])
+    assert_int8_matmul(y[:, ~q8], x, ref[~q8])
+    xq8 = q8_0_rounded(x)
+    assert torch.all((y[:, q8].double() - xq8 @ ref[q8].T).abs() <= 1e-5 * (xq8.abs() @ ref[q8].abs().T) + 1e-30)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        fused.extension().linear_int8(wide[:, ::2], w, w.packing.table, torch.empty_like(y))
+
+
 def test_bad_calls_are_named():
     w, _ = packed_matrix([(Q.MXFP4, 3)], 256, seed=1)
     with pytest.raises(RuntimeError, match="type 39 has no integer kernel"):

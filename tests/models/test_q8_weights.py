@@ -136,6 +136,23 @@ def test_amx_tiles_give_the_registers_bits(M, N, K):
 
 
 @int8_kernels
+@pytest.mark.parametrize("rows", [1, 5, 40], ids=lambda r: f"rows{r}")
+def test_int8_kernels_read_rows_apart_where_they_lie(rows, prefill_path):
+    """Activation rows 2K floats apart (swiglu's product over the gate half of gate_up, the down projection's input)
+    are read in place: the bits of the same rows made contiguous, within float32 rounding of the rounded product."""
+    K = 544
+    w, _ = q8_values(37, K, seed=rows)
+    p = quantize_q8(w)
+    x = (torch.randn(rows, 2 * K) * 3)[:, :K]
+    y = linear(x, p)
+    assert torch.equal(y, linear(x.contiguous(), p))
+    xq = q8_0_rounded(x)
+    assert torch.all((y.double() - xq @ w.double().T).abs() <= 1e-5 * (xq.abs() @ w.double().abs().T) + 1e-30)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        fused.extension().linear_q8_int8(torch.randn(rows, 2 * K)[:, ::2], p, p.scale, torch.empty(rows, 37))
+
+
+@int8_kernels
 def test_int8_kernel_calls_are_checked():
     p = quantize_q8(q8_values(4, 64)[0])
     with pytest.raises(RuntimeError, match="float32 \\[M, K\\]"):

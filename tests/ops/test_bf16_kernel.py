@@ -51,6 +51,21 @@ def test_matches_float64_product(M, N, K, round, prefill_path):
     assert_product(run(x, w, round), x, w, round)
 
 
+@pytest.mark.parametrize("M", [3, 17, 257])
+@pytest.mark.parametrize("round", [True, False], ids=["rounded", "float32-activations"])
+def test_rows_apart_are_read_where_they_lie(round, M, prefill_path):
+    """x's rows 2K floats apart (swiglu's product over the gate half of gate_up, the down projection's input): the
+    float64 product's bound and the bits of the same rows made contiguous; elements apart are refused by name."""
+    K, g = 1031, torch.Generator().manual_seed(M)
+    x = (torch.randn(M, 2 * K, generator=g) * 3)[:, :K]
+    w = (torch.randn(70, K, generator=g) * 0.05).bfloat16()
+    y = run(x, w, round)
+    assert_product(y, x, w, round)
+    assert torch.equal(y, run(x.contiguous(), w, round))
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        run(torch.randn(M, 2 * K)[:, ::2], w, round)
+
+
 @pytest.mark.parametrize("M", [1, 20], ids=["decode", "prefill"])
 @pytest.mark.parametrize("round", [True, False], ids=["rounded", "float32-activations"])
 def test_rounds_activations_to_nearest_even(round, M, prefill_path):

@@ -49,6 +49,22 @@ def test_exact_where_every_partial_sum_is(M, N, K):
         assert torch.equal(gemm(x, w).double(), x.double() @ values.double().T)
 
 
+@pytest.mark.parametrize("M", [1, 17, 257], ids=lambda m: f"M{m}")
+def test_rows_apart_are_read_where_they_lie(M):
+    """x's rows 2K floats apart (swiglu's product over the gate half of gate_up, the down projection's input): within
+    float32 summation of the float64 product, the bits of the same rows made contiguous; elements apart refused."""
+    gen = torch.Generator().manual_seed(M)
+    K = 1001
+    x = torch.randn(M, 2 * K, generator=gen)[:, :K]
+    w = (torch.randn(65, K, generator=gen) * 0.05).half()
+    y = gemm(x, w)
+    assert torch.equal(y, gemm(x.contiguous(), w))
+    bound = K * U32 / (1 - K * U32) * (x.double().abs() @ w.double().abs().T)
+    assert bool(((y.double() - x.double() @ w.double().T).abs() <= bound).all())
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        gemm(torch.randn(M, 2 * K)[:, ::2], w)
+
+
 def test_threads_split_the_outputs_without_changing_them():
     """Every output is summed in the same order whichever thread takes its unit: 1 and 3 threads (more threads
     than column blocks: the rows are split too) give the same bits, within the bound of the float64 product."""

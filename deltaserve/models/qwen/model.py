@@ -60,6 +60,7 @@ class GatedDeltaNet(nn.Module):
             kept = torch.empty(N, snapshots, HV, K, V) if snapshots else fused.EMPTY_F32
             o = fused.extension().gdn_core_kept(proj, self.conv_weight, conv_state, slots, self.A, self.dt_bias,
                                                 ssm_state, self.norm.weight, self.norm.eps, H, tape, kept)
+            del proj  # 17 MB at 512 tokens of a 0.8B model, no longer held through the out projection
             y = self.out_proj(o)
             return (y, tape, kept) if snapshots else y
         qkv, z, b, a = proj.split([self.conv_dim, HV * V, HV, HV], dim=-1)

@@ -33,6 +33,7 @@
 #include "gemv.h"
 #include "panel_gemm.h"
 #include "shares.h"
+#include "xrows.h"
 
 namespace deltaserve {
 namespace bf16 {
@@ -210,12 +211,12 @@ struct PairFormat {
   using Scope = NoTiles;
 
   // x [M, K] rounded into xp (x_at's layout; a last tile's missing rows are never read)
-  static void pack_x(const float* x, int64_t M, int64_t K, uint16_t* xp) {
+  static void pack_x(const float* x, int64_t M, int64_t K, int64_t ldx, uint16_t* xp) {
     const int64_t Kp = even(K);
     at::parallel_for(0, (M + kMR - 1) / kMR, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t t = lo; t < hi; ++t)
         for (int64_t i = 0; i < std::min<int64_t>(kMR, M - t * kMR); ++i) {
-          const float* xr = x + (t * kMR + i) * K;
+          const float* xr = x + (t * kMR + i) * ldx;
           uint16_t* out = xp + t * kMR * Kp + 2 * i;
           int64_t k = 0;
           for (; k + 32 <= K; k += 32) {  // 16 pairs a step
@@ -270,21 +271,23 @@ inline void product(const typename I::XT* xp, int64_t M, int64_t K, const uint16
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// prefill of rounded activations through the panel format F (PairFormat, or AmxFormat where the tiles run)
+// prefill of rounded activations (x's rows ldx floats apart) through the panel format F (PairFormat, or AmxFormat
+// where the tiles run)
 template <class F>
-inline void rounded_gemm(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
+inline void rounded_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
   // torch's allocator: 64-byte aligned, so no load of the packed x splits a cache line; pack_x writes all F reads
   const torch::Tensor held = at::empty({F::x_size(M, K)}, at::TensorOptions().dtype(at::kBFloat16));
   uint16_t* xp = reinterpret_cast<uint16_t*>(held.data_ptr<at::BFloat16>());
-  F::pack_x(x, M, K, xp);
+  F::pack_x(x, M, K, ldx, xp);
   panel_gemm<F>(xp, w, y, M, N, K);
 }
 #endif
 
-// y [M, N] = x [M, K] (float32) @ w [N, K]^T (bfloat16), float32 out; all contiguous. round: x rounded to bfloat16
-// and vdpbf16ps, where the build has AVX512_BF16 (elsewhere float32 activations regardless)
+// y [M, N] = x [M, K] (float32, rows any distance apart) @ w [N, K]^T (bfloat16), float32 out; w and y contiguous.
+// round: x rounded to bfloat16 and vdpbf16ps, where the build has AVX512_BF16 (elsewhere float32 activations
+// regardless)
 inline void linear_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor y, bool round) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "linear_bf16: x must be float32 [M, K]");
+  check_rows(x, "linear_bf16");
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
               "linear_bf16: w must be bfloat16 [N, K], contiguous, K as x's");
   TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.numel() == x.size(0) * w.size(0),
@@ -296,19 +299,22 @@ inline void linear_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor y, bool 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (round && M > kGemvRows) {
 #if defined(DELTASERVE_AMX)
-    if (amx::enabled()) return rounded_gemm<AmxFormat>(x.data_ptr<float>(), M, K, wp, N, y.data_ptr<float>());
+    if (amx::enabled()) return rounded_gemm<AmxFormat>(x.data_ptr<float>(), row_stride(x), M, K, wp, N, y.data_ptr<float>());
 #endif
-    return rounded_gemm<PairFormat>(x.data_ptr<float>(), M, K, wp, N, y.data_ptr<float>());
-  }
-  if (round) {
-    torch::Tensor held;
-    return product<Dot>(rounded(x.data_ptr<float>(), M * K, held), M, K, wp, N, y.data_ptr<float>());
+    return rounded_gemm<PairFormat>(x.data_ptr<float>(), row_stride(x), M, K, wp, N, y.data_ptr<float>());
   }
 #endif
   // float32 activations at prefill: f16gemm.h's panels of widened weights (6 x 64 register tiles; the 4 x 4 dot
   // tiles they replace summed across lanes: 206-217 -> 281-310 GFLOP/s on an AVX-512 Xeon, 134-146 -> 177-186 in
   // its AVX2 build)
-  if (M > kGemvRows) return f16::gemm<true>(x.data_ptr<float>(), wp, y.data_ptr<float>(), M, N, K);
+  if (M > kGemvRows) return f16::gemm<true>(x.data_ptr<float>(), row_stride(x), wp, y.data_ptr<float>(), M, N, K);
+  x = x.contiguous();  // decode: a few rows, each read as one run
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (round) {
+    torch::Tensor held;
+    return product<Dot>(rounded(x.data_ptr<float>(), M * K, held), M, K, wp, N, y.data_ptr<float>());
+  }
+#endif
   product<Widen>(x.data_ptr<float>(), M, K, wp, N, y.data_ptr<float>());
 }
 

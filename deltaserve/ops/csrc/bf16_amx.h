@@ -33,7 +33,7 @@ struct AmxFormat {
   static int64_t x_size(int64_t M, int64_t K) { return (M + kMR - 1) / kMR * kMR * r32(K); }
 
   // x [M, K] rounded into xp (x_at's layout, missing rows and k zero)
-  static void pack_x(const float* x, int64_t M, int64_t K, uint16_t* xp) {
+  static void pack_x(const float* x, int64_t M, int64_t K, int64_t ldx, uint16_t* xp) {
     const int64_t K32 = r32(K);
     at::parallel_for(0, (M + kMR - 1) / kMR, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t t = lo; t < hi; ++t)
@@ -43,7 +43,7 @@ struct AmxFormat {
           for (int64_t k = 0; k < K32; k += 32) {
             __m512i r = _mm512_setzero_si512();
             if (m < M) {
-              const float* xr = x + m * K + k;
+              const float* xr = x + m * ldx + k;
               const int64_t lo16 = std::clamp<int64_t>(K - k, 0, 16), hi16 = std::clamp<int64_t>(K - k - 16, 0, 16);
               const __m512 a = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << lo16) - 1), xr);
               const __m512 b = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << hi16) - 1), xr + 16);

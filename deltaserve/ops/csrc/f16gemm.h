@@ -13,10 +13,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 #include "panel_gemm.h"
+#include "xrows.h"
 
 namespace deltaserve {
 namespace f16 {
@@ -48,15 +48,15 @@ inline float widen1(uint16_t h) {
   }
 }
 
-// x [M, K] -> xp [ceil(M / kMR)][K][kMR] (a last tile's missing rows are never read)
-inline void pack_x(const float* x, int64_t M, int64_t K, float* xp) {
+// x [M, K] (rows ldx floats apart) -> xp [ceil(M / kMR)][K][kMR] (a last tile's missing rows are never read)
+inline void pack_x(const float* x, int64_t M, int64_t K, int64_t ldx, float* xp) {
   at::parallel_for(0, (M + kMR - 1) / kMR, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t rows = std::min<int64_t>(kMR, M - t * kMR);
-      const float* xr = x + t * kMR * K;
+      const float* xr = x + t * kMR * ldx;
       float* out = xp + t * kMR * K;
       for (int64_t k = 0; k < K; ++k)
-        for (int64_t i = 0; i < rows; ++i) out[k * kMR + i] = xr[i * K + k];
+        for (int64_t i = 0; i < rows; ++i) out[k * kMR + i] = xr[i * ldx + k];
     }
   });
 }
@@ -232,16 +232,17 @@ struct Format {
   }
 };
 
-// y [M, N] = x [M, K] @ W [N, K]^T on raw pointers (M, N, K >= 1), W float16 or (BF16) bfloat16
+// y [M, N] = x [M, K] (rows ldx floats apart) @ W [N, K]^T on raw pointers (M, N, K >= 1), W float16 or (BF16)
+// bfloat16. The packed x (7 MB for 512 rows of 3,584) from torch's allocator: blocks.h's range once a model has loaded.
 template <bool BF16 = false>
-inline void gemm(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K) {
-  std::unique_ptr<float[]> xp(new float[(M + kMR - 1) / kMR * kMR * K]);  // uninitialised: pack_x writes every value read
-  pack_x(x, M, K, xp.get());
-  panel_gemm<Format<BF16>>(xp.get(), w, y, M, N, K);
+inline void gemm(const float* x, int64_t ldx, const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+  const torch::Tensor held = at::empty({(M + kMR - 1) / kMR * kMR * K}, at::kFloat);  // pack_x writes every value read
+  pack_x(x, M, K, ldx, held.data_ptr<float>());
+  panel_gemm<Format<BF16>>(held.data_ptr<float>(), w, y, M, N, K);
 }
 
 inline void check_args(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& y) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be float32 [M, K] contiguous");
+  check_rows(x, "linear_f16_gemm");
   TORCH_CHECK(w.dtype() == torch::kFloat16 && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
               "w must be float16 [N, K] contiguous, K as x's");
   TORCH_CHECK(y.dtype() == torch::kFloat32 && y.is_contiguous() && y.dim() == 2 && y.size(0) == x.size(0) &&
@@ -251,13 +252,13 @@ inline void check_args(const torch::Tensor& x, const torch::Tensor& w, const tor
 // y [M, N] = x [M, K] (float32) @ w [N, K]^T (float16), accumulated in float32: the GEMM above whatever M
 inline void linear_f16_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor y) {
   check_args(x, w, y);
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), ldx = row_stride(x);
   if (M == 0 || N == 0) return;
   if (K == 0) {
     y.zero_();
     return;
   }
-  gemm(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr<at::Half>()), y.data_ptr<float>(), M, N, K);
+  gemm(x.data_ptr<float>(), ldx, reinterpret_cast<const uint16_t*>(w.data_ptr<at::Half>()), y.data_ptr<float>(), M, N, K);
 }
 
 }  // namespace f16

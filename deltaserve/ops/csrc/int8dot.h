@@ -129,7 +129,7 @@ inline void quantize_block(const float* x, XBlock& out) {
   for (int i = 0; i < 8; ++i) out.bs32[i] = static_cast<int16_t>(out.bs[2 * i] + out.bs[2 * i + 1]);
 }
 
-// x [M, K] as XBlocks into out [M * K / 256], rows in groups of `group` (kRows; the VNNI panel GEMM's kPanelRows),
+// x [M, K] (rows ldx floats apart) as XBlocks into out [M * K / 256], rows in groups of `group` (kRows; the VNNI panel GEMM's kPanelRows),
 // fewer in the last, each group [K / 256][rows]: a group's rows for one weight block lie together.
 // where row m's block b lies in that layout
 inline int64_t xblock_at(int64_t M, int64_t nb, int64_t m, int64_t b, int64_t group = kRows) {
@@ -137,11 +137,11 @@ inline int64_t xblock_at(int64_t M, int64_t nb, int64_t m, int64_t b, int64_t gr
   return g * nb + b * rows + m - g;
 }
 
-inline void quantize_rows(const float* x, int64_t M, int64_t K, XBlock* out, int64_t group = kRows) {
+inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, XBlock* out, int64_t group = kRows) {
   const int64_t nb = K / 256;
   at::parallel_for(0, M, 8, [&](int64_t lo, int64_t hi) {
     for (int64_t m = lo; m < hi; ++m)
-      for (int64_t b = 0; b < nb; ++b) quantize_block(x + m * K + 256 * b, out[xblock_at(M, nb, m, b, group)]);
+      for (int64_t b = 0; b < nb; ++b) quantize_block(x + m * ldx + 256 * b, out[xblock_at(M, nb, m, b, group)]);
   });
 }
 

@@ -22,6 +22,7 @@
 #include "int8ktile_avx2.h"
 #include "int8panel.h"
 #include "panel_gemv.h"
+#include "xrows.h"
 
 namespace deltaserve {
 namespace kq {
@@ -232,9 +233,9 @@ inline std::string int8_isa() {
 // group of rows of x; there rows of 32-weight blocks take int8legacy_avx2.h's kernels, and (AVX2) K-quant prefill
 // int8ktile_avx2.h's tiles of 8 rows.
 inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor table, torch::Tensor y) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be float32 [M, K] contiguous");
+  check_rows(x, "linear_int8");
   TORCH_CHECK(bytes.dtype() == torch::kUInt8 && bytes.is_contiguous(), "packed bytes must be contiguous uint8");
-  const int64_t M = x.size(0), K = x.size(1), nb = K / 256;
+  const int64_t M = x.size(0), K = x.size(1), nb = K / 256, ldx = row_stride(x);
   const Segments seg(table, K, bytes.numel());
   const int64_t N = seg.rows;
   TORCH_CHECK(y.dtype() == torch::kFloat32 && y.is_contiguous() && y.size(0) == M && y.size(1) == N, "y must be float32 [M, N]");
@@ -259,11 +260,12 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
   const XBlock* xq = xbuf;
   // (the AMX tiles and the other ISAs' kernels read x in groups of kRows)
   const int64_t group = kPanelGemm && M > kRows && !amx::enabled() ? kPanelRows : kRows;
-  if (round256) quantize_rows(x.data_ptr<float>(), M, K, xbuf, group);
+  // (x's rows may lie apart: the MLP's down projection reads swiglu's product written over the gate half of gate_up)
+  if (round256) quantize_rows(x.data_ptr<float>(), M, K, ldx, xbuf, group);
   static thread_local q8::Q8Acts decode_x8;  // x rounded per 32, for rows of 32-weight blocks
   q8::Q8Acts prefill_x8;
   q8::Q8Acts& x8 = M <= kRows ? decode_x8 : prefill_x8;
-  if (round32) x8.quantize(x.data_ptr<float>(), M, K);
+  if (round32) x8.quantize(x.data_ptr<float>(), M, K, ldx, M > kRows);
   const uint8_t* base = bytes.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   if (kPanelGemm && M > kRows) return gemm_panels(seg, base, xq, x8, M, K, yp, group);

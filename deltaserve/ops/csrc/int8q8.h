@@ -28,6 +28,7 @@
 #include "int8legacy_avx2.h"
 #include "q8acts.h"
 #include "shares.h"
+#include "xrows.h"
 
 namespace deltaserve {
 namespace q8 {
@@ -304,9 +305,9 @@ constexpr bool kQ8Int8 = kBlock32Avx2;  // int8legacy_avx2.h's kernels, or none 
 // y [M, N] = x [M, K] (rounded per 32 to Q8_0) @ W^T, W int8 [N, K] with float16 scales [N, K / 32].
 inline void linear_q8_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor y) {
   TORCH_CHECK(kQ8Int8, "linear_q8_int8 needs AVX-512 VNNI or AVX2");
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be float32 [M, K] contiguous");
+  check_rows(x, "linear_q8_int8");
   TORCH_CHECK(w.dtype() == torch::kInt8 && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1), "w must be int8 [N, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), ldx = row_stride(x);
   TORCH_CHECK(K % 32 == 0, "Q8_0 rows must be whole blocks of 32, got ", K);
   TORCH_CHECK(scale.dtype() == torch::kFloat16 && scale.is_contiguous() && scale.numel() == N * (K / 32), "scale must be float16 [N, K / 32]");
   TORCH_CHECK(y.dtype() == torch::kFloat32 && y.is_contiguous() && y.size(0) == M && y.size(1) == N, "y must be float32 [M, N]");
@@ -314,7 +315,7 @@ inline void linear_q8_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale
   static thread_local Q8Acts decode_acts;  // reused: decode calls are many and small
   Q8Acts prefill_acts;
   Q8Acts& a = M <= kQ8Rows ? decode_acts : prefill_acts;
-  a.quantize(x.data_ptr<float>(), M, K);
+  a.quantize(x.data_ptr<float>(), M, K, ldx, M > kQ8Rows);
   const int8_t* wp = w.data_ptr<int8_t>();
   const at::Half* sp = scale.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();

@@ -2,6 +2,7 @@
 // Q5_0 and Q5_1 weights (quantize_row_q8_0 / _q8_1: d = max|x| / 127 kept as float16, q = round(x / d) with the
 // float32 d): the input of int8q8.h's, int8legacy.h's and int8legacy_avx2.h's kernels.
 #pragma once
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
@@ -21,20 +22,47 @@ namespace q8 {
 // (the divisions as llama.cpp's C makes them: -ffast-math would take x * (1 / 127) for x / 127, a different float)
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
+// A view of one of Q8Acts' arrays (data() and [] as the kernels used them on std::vector).
+template <class T>
+struct Part {
+  T* p = nullptr;
+  T* data() const { return p; }
+  T& operator[](int64_t i) const { return p[i]; }
+};
+
 struct Q8Acts {
-  std::vector<int8_t> q;
-  std::vector<float> d, dl;
-  std::vector<int32_t> start, starts;
+  Part<int8_t> q;
+  Part<float> d, dl;
+  Part<int32_t> start, starts;
   int64_t M = 0, K = 0, nb = 0;
 
-  void quantize(const float* x, int64_t rows, int64_t cols) {
+  // x [rows, cols] with rows ldx floats apart. Decode's acts (thread_local, reused) keep their arrays in a vector;
+  // a prefill's come from torch's allocator (blocks.h once a model has loaded), as int8gemm.h's XBlocks do: 2-8 MB
+  // taken and freed at every call split glibc's heap around smaller long-lived allocations.
+  void quantize(const float* x, int64_t rows, int64_t cols, int64_t ldx, bool prefill) {
     M = rows, K = cols, nb = cols / 32;
     const int64_t padded = (M + 15) / 16 * 16;  // whole tiles of 16 rows for tdpbsud (q8_amx_rows); the rest zero
-    q.resize(padded * K), d.resize(M * nb), dl.resize(M * nb * 8), start.resize(M * nb), starts.resize(M * nb * 8);
-    std::fill(q.begin() + M * K, q.end(), int8_t{0});
+    const int64_t sizes[5] = {padded * K, M * nb * 4, M * nb * 8 * 4, M * nb * 4, M * nb * 8 * 4};
+    int64_t off[5], bytes = 0;
+    for (int i = 0; i < 5; ++i) off[i] = bytes, bytes += (sizes[i] + 63) / 64 * 64;  // each array 64-byte aligned
+    uint8_t* base;
+    if (prefill) {
+      held = at::empty({bytes + 64}, at::kByte);
+      base = held.data_ptr<uint8_t>();
+      base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
+    } else {
+      if (static_cast<int64_t>(own.size()) < bytes + 64) own.resize(bytes + 64);
+      base = own.data() + (64 - reinterpret_cast<uintptr_t>(own.data()) % 64) % 64;
+    }
+    q.p = reinterpret_cast<int8_t*>(base + off[0]);
+    d.p = reinterpret_cast<float*>(base + off[1]);
+    dl.p = reinterpret_cast<float*>(base + off[2]);
+    start.p = reinterpret_cast<int32_t*>(base + off[3]);
+    starts.p = reinterpret_cast<int32_t*>(base + off[4]);
+    std::fill(q.p + M * K, q.p + padded * K, int8_t{0});
     at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
       for (int64_t m = lo; m < hi; ++m)
-        for (int64_t k = 0; k < nb; ++k) block(x + m * K + 32 * k, m * nb + k, q.data() + m * K + 32 * k);
+        for (int64_t k = 0; k < nb; ++k) block(x + m * ldx + 32 * k, m * nb + k, q.p + m * K + 32 * k);
     });
   }
 
@@ -87,6 +115,10 @@ struct Q8Acts {
     start[at] = -128 * sum;
     for (int l = 0; l < 8; ++l) dl[at * 8 + l] = dh;
   }
+
+ private:
+  std::vector<uint8_t> own;
+  at::Tensor held;
 };
 #pragma GCC pop_options
 
