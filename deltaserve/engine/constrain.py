@@ -23,14 +23,17 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
-import llguidance
 import numpy as np
 import torch
 from gguf import TokenType
 
 from deltaserve.errors import DeltaserveError
 from deltaserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import llguidance
 
 _SPECIAL = (TokenType.CONTROL, TokenType.UNKNOWN)
 _BITS = ((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1).bool()  # byte -> its 8 bits, low first
@@ -73,7 +76,8 @@ def grammar_tokenizer(tokenizer: Tokenizer, n_vocab: int) -> llguidance.LLTokeni
             eos = sorted(tokenizer.eos_token_ids)
             if not eos:
                 raise DeltaserveError("constrained decoding needs an end-of-sequence token; this tokenizer has none")
-            made[n_vocab] = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(tokenizer, n_vocab)),
+            llg = _llguidance()
+            made[n_vocab] = llg.LLTokenizer(llg.TokenizerWrapper(_Vocabulary(tokenizer, n_vocab)),
                                                    eos_token=eos)
         return made[n_vocab]
 
@@ -106,7 +110,7 @@ def compiled(grammar: str, tokenizer: Tokenizer, n_vocab: int) -> llguidance.LLM
         if prototype is not None:
             _compiled.move_to_end(key)
     if prototype is None:
-        prototype = llguidance.LLMatcher(key[0], grammar, log_level=0)
+        prototype = _llguidance().LLMatcher(key[0], grammar, log_level=0)
         if prototype.is_error():
             raise DeltaserveError(f"the grammar does not compile: {prototype.get_error()}")
         with _lock:
@@ -225,6 +229,13 @@ def apply_masks(logits: torch.Tensor, words: torch.Tensor) -> None:
     logits.masked_fill_(~allowed, float("-inf"))
 
 
+def _llguidance():
+    """llguidance, imported by the first grammar: a process that constrains nothing (`deltaserve run`, the
+    benchmark) does without its 2.4 MB of RSS."""
+    import llguidance
+    return llguidance
+
+
 def _words(n_vocab: int) -> int:
     return (n_vocab + 31) // 32
 
@@ -232,5 +243,5 @@ def _words(n_vocab: int) -> int:
 def _pool() -> llguidance.LLExecutor:
     global _executor
     if _executor is None:
-        _executor = llguidance.LLExecutor()
+        _executor = _llguidance().LLExecutor()
     return _executor
