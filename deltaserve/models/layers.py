@@ -47,7 +47,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.reshape(-1, x.shape[-1])
     if weight.dtype == torch.int8 and q8_int8(x):
         y = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
-        fused.extension().linear_q8_int8(packed.kernel_rows(rows.float()), weight, weight.scale, y)
+        fused.extension().linear_q8_int8(fused.kernel_rows(rows.float()), weight, weight.scale, y)
         y = y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
         return y if bias is None else y + bias.to(y.dtype)
     if (x.dtype == torch.float32 and x.device.type == "cpu" and fused.available()
@@ -58,7 +58,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         elif rows.shape[0] <= GEMV_ROWS:
             fused.extension().linear_f16(rows.contiguous(), weight.contiguous(), y)
         else:  # prefill: our GEMM on the weight as stored (ops/csrc/f16gemm.h)
-            fused.extension().linear_f16_gemm(packed.kernel_rows(rows), weight.contiguous(), y)
+            fused.extension().linear_f16_gemm(fused.kernel_rows(rows), weight.contiguous(), y)
         y = y.view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias.to(y.dtype)
     step = max(64, _DEQUANT_BYTES // (x.element_size() * weight.shape[1]))  # output rows per block
@@ -81,7 +81,7 @@ def bf16_kernel(x: torch.Tensor) -> bool:
 
 def _linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] float32 @ weight [N, K] bfloat16 ^T (+ bias): decode and prefill in one kernel (bf16.h)."""
-    rows = packed.kernel_rows(x.reshape(-1, x.shape[-1]))
+    rows = fused.kernel_rows(x.reshape(-1, x.shape[-1]))
     y = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
     fused.extension().linear_bf16(rows, weight.contiguous(), y, BF16_ROUNDED_ACTIVATIONS)
     y = y.view(*x.shape[:-1], weight.shape[0])

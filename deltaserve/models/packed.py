@@ -250,7 +250,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     if cpu and uses_int8(w):
         y = torch.empty(xr.shape[0], N)
         xr = xr if xr.dtype == torch.float32 else xr.float()
-        fused.extension().linear_int8(kernel_rows(xr), w, pk.table, y)
+        fused.extension().linear_int8(fused.kernel_rows(xr), w, pk.table, y)
     elif cpu and xr.shape[0] <= _GEMV_ROWS and x.dtype == torch.float32:
         y = torch.empty(xr.shape[0], N)
         fused.extension().linear_packed(xr.contiguous(), w, pk.table, y)
@@ -259,12 +259,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     y = y.view(*x.shape[:-1], N)
     y = y if y.dtype == x.dtype else y.to(x.dtype)
     return y if bias is None else y + bias.to(y.dtype)
-
-
-def kernel_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the C++ linear kernels read it: rows of contiguous floats, any distance apart (the MLP's down
-    projection reads swiglu's product written over the gate half of gate_up: a copy would be 7 MB at 512 tokens)."""
-    return x if x.stride(-1) == 1 and (x.shape[0] <= 1 or x.stride(0) >= x.shape[1]) else x.contiguous()
 
 
 def uses_int8(w: torch.Tensor) -> bool:

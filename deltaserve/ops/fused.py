@@ -133,6 +133,13 @@ EMPTY_I64 = torch.empty(0, dtype=torch.int64)
 EMPTY_F32 = torch.empty(0, dtype=torch.float32)
 
 
+def kernel_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the linear kernels read it (csrc/xrows.h): rows of contiguous floats, any distance apart (the MLP's
+    down projection reads swiglu's product written over the gate half of gate_up: a copy would be 7 MB at 512
+    tokens)."""
+    return x if x.stride(-1) == 1 and (x.shape[0] <= 1 or x.stride(0) >= x.shape[1]) else x.contiguous()
+
+
 @functools.lru_cache(maxsize=64)
 def dense_cu_seqlens(B: int, T: int) -> torch.Tensor:
     """Offsets of B sequences of T tokens each, [0, T, 2T, ...] (shared: callers must not write it)."""
