@@ -15,14 +15,9 @@
 namespace deltaserve {
 namespace q8 {
 
-// x [M, K] rounded to Q8_0: q [M, K] (and zero rows to a multiple of 16); per block of 32: d (float16 value as
-// float), start = -128 sum(q); per 4 (a vpdpbusd lane): starts = -128 sum(q), so that each lane's sum is its own exact
-// dot (offsets summed in other lanes would cancel only after rounding); dl: each block's d 8 times (its lanes in a
-// vpdpbusd of 64 weights)
-// (the divisions as llama.cpp's C makes them: -ffast-math would take x * (1 / 127) for x / 127, a different float)
-#pragma GCC push_options
-#pragma GCC optimize("no-fast-math")
-// A view of one of Q8Acts' arrays (data() and [] as the kernels used them on std::vector).
+// A view of one of Q8Acts' arrays (data() and [] as the kernels used them on std::vector). Defined outside the
+// pragma below: GCC inlines no function whose optimize options differ from its caller's, and the kernels call these
+// in their inner loops (inside it, each call was a call, and the float sums around it spilled to the stack).
 template <class T>
 struct Part {
   T* p = nullptr;
@@ -30,6 +25,13 @@ struct Part {
   T& operator[](int64_t i) const { return p[i]; }
 };
 
+// x [M, K] rounded to Q8_0: q [M, K] (and zero rows to a multiple of 16); per block of 32: d (float16 value as
+// float), start = -128 sum(q); per 4 (a vpdpbusd lane): starts = -128 sum(q), so that each lane's sum is its own exact
+// dot (offsets summed in other lanes would cancel only after rounding); dl: each block's d 8 times (its lanes in a
+// vpdpbusd of 64 weights)
+// (the divisions as llama.cpp's C makes them: -ffast-math would take x * (1 / 127) for x / 127, a different float)
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
 struct Q8Acts {
   Part<int8_t> q;
   Part<float> d, dl;
