@@ -116,13 +116,17 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
     std::vector<WidePanel> wide(tiled ? kOpen * nb : 0);
 #endif
     q8::Tile32 tile32[q8::kQ8AmxTiles];
-    int n32 = 0;  // (AMX) tiles opened in tile32 and not yet run: adjacent columns from first32, the last `last32` wide
+    const int cap32 = amx::enabled() ? q8::kQ8AmxTiles : q8::kQ8PairTiles;
+    int n32 = 0;  // tiles opened in tile32 and not yet run: adjacent columns from first32, the last `last32` wide
     int64_t first32 = 0, last32 = 0;
+    const q8::Tile32* const t32[q8::kQ8AmxTiles] = {&tile32[0], &tile32[1], &tile32[2], &tile32[3]};
     auto run32 = [&] {
+      if (!n32) return;
 #if defined(DELTASERVE_AMX)
-      const q8::Tile32* const t[q8::kQ8AmxTiles] = {&tile32[0], &tile32[1], &tile32[2], &tile32[3]};
-      if (n32) q8::run_amx(t, n32, x8, y + first32, N, last32);
+      if (tiled) q8::run_amx(t32, n32, x8, y + first32, N, last32);
+      else
 #endif
+        q8::run_tiles(t32, n32, x8, y + first32, N, last32);
       n32 = 0;
     };
     std::vector<std::pair<int64_t, int64_t>> open;  // the opened tiles' (first column, columns), all of one kind:
@@ -145,20 +149,13 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
       if (q8::block32(type)) {
         const uint8_t* rows = seg.row(base, tile.s, tile.n0, K);
         const int64_t row_bytes = K / 32 * layout(type).bytes;
-#if defined(DELTASERVE_AMX)
-        if (tiled) {  // 4 adjacent tiles at a time: one tile per activation load measured slower than the registers
-          // (a short tile ends a group: the next segment's rows may start 16 after it, past other types' rows)
-          if (n32 && (n32 == q8::kQ8AmxTiles || last32 != 16 || tile.n0 != first32 + 16 * n32)) run32();
-          if (!n32) first32 = tile.n0;
-          if (tile.panel) tile32[n32++].open_q40_panel(rows, K);  // (Q4_0: the only such panels)
-          else tile32[n32++].open(type, rows, row_bytes, tile.rows, K);
-          last32 = tile.rows;
-          continue;
-        }
-#endif
-        if (tile.panel) tile32[0].open_q40_panel(rows, K);
-        else tile32[0].open(type, rows, row_bytes, tile.rows, K);
-        tile32[0].run(x8, y + tile.n0, N, tile.rows);
+        // adjacent tiles run together: 4 on AMX (one tile per activation load measured slower than the registers),
+        // 2 in registers (a short tile ends a group: the next segment's rows may start 16 after it, past other types')
+        if (n32 && (n32 == cap32 || last32 != 16 || tile.n0 != first32 + 16 * n32)) run32();
+        if (!n32) first32 = tile.n0;
+        if (tile.panel) tile32[n32++].open_q40_panel(rows, K);  // (Q4_0: the only such panels)
+        else tile32[n32++].open(type, rows, row_bytes, tile.rows, K);
+        last32 = tile.rows;
         continue;
       }
       const bool tile32s = per32(type), tile_mins = panel_bias(type) == 0;

@@ -3,7 +3,7 @@
 // (Q5_0), q (the _1 types, whose offset m then adds m dx sum(qx) per block, from the rounded activations), IQ4_NL's
 // levels (the nibbles index kIQ4Levels; in decode's registers the levels + 128, unsigned, as a bias of 128). Decode
 // reads a row's blocks straight into registers (legacy_row); prefill opens 16 rows at a time into a Q8Tile for
-// int8q8.h's GEMM (on AMX tiles where they run, 4 such tiles at a time: run_amx). Q8_0 rows beside them are read
+// int8q8.h's GEMM, 2 such tiles at a time (run_tiles; on AMX tiles where they run, 4: run_amx). Q8_0 rows beside them are read
 // where they lie. Q4_0 rows are held 16 to a row panel where the K-quants' are (panels.h): decode reads them with
 // panel_gemv.h's panel_q40, prefill opens a panel with open_q40_panel.
 #pragma once
@@ -234,12 +234,6 @@ struct Tile32 {
   }
 #endif
 
-  // y[r][0 .. rows) (stride ldy) for every activation row r of a
-  void run(const Q8Acts& a, float* y, int64_t ldy, int64_t rows) const {
-    for (int64_t g = 0; g < a.M; g += kQ8Rows) q8_tile_rows(std::min(kQ8Rows, a.M - g), tile, a, g, y, ldy, rows);
-    add_offsets(a, y, ldy, rows);
-  }
-
   // the _1 types' m dx sum(qx) per block, added to y (nothing for the others)
   void add_offsets(const Q8Acts& a, float* y, int64_t ldy, int64_t rows) const {
     if (offsets_)
@@ -247,6 +241,16 @@ struct Tile32 {
         for (int64_t n = 0; n < rows; ++n) y[r * ldy + n] += offsets(m.data() + n * a.nb, a, r);
   }
 };
+
+constexpr int kQ8PairTiles = 2;  // opened tiles run together in registers (q8_tiles)
+
+// up to kQ8PairTiles opened tiles whose columns lie 16 apart from y's first (the last one `last` wide), run as one in
+// registers (int8q8.h q8_tiles: a broadcast of the activations for both)
+inline void run_tiles(const Tile32* const* t, int nt, const Q8Acts& a, float* y, int64_t ldy, int64_t last) {
+  const Q8Tile* w[kQ8PairTiles] = {&t[0]->tile, &t[nt - 1]->tile};
+  q8_tiles_run(w, nt, a, y, ldy, last);
+  for (int j = 0; j < nt; ++j) t[j]->add_offsets(a, y + 16 * j, ldy, j + 1 < nt ? 16 : last);
+}
 
 #if defined(DELTASERVE_AMX)
 // up to kQ8AmxTiles opened tiles whose columns lie 16 apart from y's first (the last one `last` wide), run as one on
