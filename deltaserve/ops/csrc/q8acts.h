@@ -112,7 +112,13 @@ struct Q8Acts {
       starts[at * 8 + l] = -128 * four[l];
       sum += four[l];
     }
-    const float dh = static_cast<float>(c10::Half(dk));  // llama.cpp keeps the activations' d as float16
+    // llama.cpp keeps the activations' d as float16 (rounded to nearest even, as c10::Half rounds: whose conversion,
+    // inside this pragma, would not be inlined)
+#if defined(__F16C__)
+    const float dh = _cvtsh_ss(_cvtss_sh(dk, _MM_FROUND_TO_NEAREST_INT));
+#else
+    const float dh = static_cast<float>(c10::Half(dk));
+#endif
     d[at] = dh;
     start[at] = -128 * sum;
     for (int l = 0; l < 8; ++l) dl[at * 8 + l] = dh;
