@@ -59,10 +59,10 @@ PANELS = [pytest.param(False, id="file-rows"), pytest.param(True, id="panels")]
 
 
 # decode (up to 8 activation rows; 4 in the AVX2 build): rows at a time, or 16-row panels 4 activation rows a pass
-# with the last out_rows % 16 rows at a time; above, weight rows in tiles of 16 (AVX-512 VNNI: 10 activation rows a
-# pass, so 11 leaves one)
+# with the last out_rows % 16 rows at a time; on AVX-512 the same kernels take up to 16 rows, 8 at a time (11: 8 and
+# 3); above, weight rows in tiles of 16 (AVX-512 VNNI: 10 activation rows a pass, so 61 leaves one)
 @pytest.mark.parametrize("panels", PANELS)
-@pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 11, 17, 40], ids=lambda r: f"rows{r}")
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 11, 16, 17, 40, 61], ids=lambda r: f"rows{r}")
 @pytest.mark.parametrize("out_rows", [1, 37], ids=lambda n: f"out{n}")
 @pytest.mark.parametrize("qtype", INT8, ids=lambda t: t.name)
 def test_kernel_matches_q8k_reference(qtype, out_rows, rows, panels, prefill_path):
@@ -73,7 +73,7 @@ def test_kernel_matches_q8k_reference(qtype, out_rows, rows, panels, prefill_pat
 
 
 @pytest.mark.parametrize("panels", PANELS)
-@pytest.mark.parametrize("rows", [1, 6, 11], ids=lambda r: f"rows{r}")
+@pytest.mark.parametrize("rows", [1, 6, 11, 53], ids=lambda r: f"rows{r}")
 def test_mixed_types_zero_rows_and_outliers(rows, panels, prefill_path):
     """A projection mixing the K-quants (llama.cpp's Q4_K_M keeps parts in Q6_K, Q3_K_M in Q4_K and Q5_K), rows of x
     that are zero (scale 0) and one with an outlier that takes all of its block's range."""

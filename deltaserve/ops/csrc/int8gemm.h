@@ -255,8 +255,9 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
     xbuf = reinterpret_cast<XBlock*>(prefill_buf.data_ptr<uint8_t>());
   }
   const XBlock* xq = xbuf;
-  // (the AMX tiles and the other ISAs' kernels read x in groups of kRows)
-  const int64_t group = kPanelGemm && M > kRows && !amx::enabled() ? kPanelRows : kRows;
+  const bool direct = kDirectGemv && M <= kDirectRows;
+  // (the AMX tiles, the direct GEMV and the other ISAs' kernels read x in groups of kRows)
+  const int64_t group = kPanelGemm && !direct && M > kRows && !amx::enabled() ? kPanelRows : kRows;
   // (x's rows may lie apart: the MLP's down projection reads swiglu's product written over the gate half of gate_up)
   if (round256) quantize_rows(x.data_ptr<float>(), M, K, ldx, xbuf, group);
   static thread_local q8::Q8Acts decode_x8;  // x rounded per 32, for rows of 32-weight blocks
@@ -265,8 +266,8 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
   if (round32) x8.quantize(x.data_ptr<float>(), M, K, ldx, M > kRows);
   const uint8_t* base = bytes.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  if (direct) return gemv_direct(seg, base, xq, x8, M, K, yp);
   if (kPanelGemm && M > kRows) return gemm_panels(seg, base, xq, x8, M, K, yp, group);
-  if (kDirectGemv && M <= kRows) return gemv_direct(seg, base, xq, x8, M, K, yp);
   // decode: one row, opened into L1 and used at once; prefill: 32, so that each few rows of x are read from L1 by
   // 32 weight rows (at 16 the AVX2 build's 512 x 3584 K-quant GEMMs ran 10% slower, x coming from L3)
   const int64_t tile = M <= kRows ? 1 : 32;

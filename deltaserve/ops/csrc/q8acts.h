@@ -68,6 +68,15 @@ struct Q8Acts {
     });
   }
 
+  // rows m0 .. m0 + count as acts of their own: a view into these arrays, for kernels that take their rows from 0
+  Q8Acts rows(int64_t m0, int64_t count) const {
+    Q8Acts v;
+    v.M = count, v.K = K, v.nb = nb;
+    v.q.p = q.p + m0 * K, v.d.p = d.p + m0 * nb, v.dl.p = dl.p + m0 * nb * 8;
+    v.start.p = start.p + m0 * nb, v.starts.p = starts.p + m0 * nb * 8;
+    return v;
+  }
+
   void block(const float* xb, int64_t at, int8_t* qb) {
     int32_t four[8];
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
