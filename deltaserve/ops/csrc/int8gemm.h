@@ -131,16 +131,34 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
     };
     std::vector<std::pair<int64_t, int64_t>> open;  // the opened tiles' (first column, columns), all of one kind:
     bool by32 = false, mins = false;  // scales per 32 (Q4_K, Q5_K, IQ4_XS; else 16), offsets at dmin (Q2_K, Q4_K, Q5_K)
-    auto run = [&] {
+    // the bytes of the next tiles to open (those of tile `from`'s segment), read into L2 while the open ones run: the
+    // opening reads them in bursts, after which memory's prefetchers start cold (Q4_K_M gate_up on the Zen 5 at 17-128
+    // rows: 6-9% less time; a 512-token prefill the same)
+    auto ahead = [&](int64_t from) -> std::pair<const uint8_t*, int64_t> {
+      if (from >= hi) return {nullptr, 0};
+      const int64_t s = tiles[from].s, type = seg.type(s), row_bytes = K / layout(type).block * layout(type).bytes;
+      int64_t rows = 0;
+      for (int64_t t = from; t < hi && t < from + static_cast<int64_t>(kOpen) && tiles[t].s == s; ++t) rows += tiles[t].rows;
+      return {seg.row(base, s, tiles[from].n0, K), rows * row_bytes};
+    };
+    auto run = [&](int64_t next) {  // the open tiles over every group of x; `next`: the tile to open after them
 #if defined(DELTASERVE_AMX)
       if (tiled && !open.empty())
         amx_group(panels.data(), wide.data(), mins ? (by32 ? 32 : 16) : 0, open, codes.data(), xq, M, K, y, N);
       else
 #endif
-        for (int64_t g = 0; g < M; g += group)
+      {
+        const auto [p, bytes] = ahead(next);
+        const int64_t groups = (M + group - 1) / group;
+        for (int64_t g = 0; g < M; g += group) {
+          if (p)
+            for (int64_t o = bytes * (g / group) / groups / 64 * 64; o < bytes * (g / group + 1) / groups; o += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(p) + o, _MM_HINT_T1);
           for (size_t j = 0; j < open.size(); ++j)
             (by32 ? panel_group<32> : panel_group<16>)(std::min<int64_t>(group, M - g), panels.data() + j * nb,
                                                         xq + g * nb, nb, y + g * N + open[j].first, N, open[j].second);
+        }
+      }
       open.clear();
     };
     for (int64_t t = lo; t < hi; ++t) {
@@ -159,7 +177,7 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
         continue;
       }
       const bool tile32s = per32(type), tile_mins = panel_bias(type) == 0;
-      if (!open.empty() && (tile32s != by32 || tile_mins != mins || open.size() == kOpen)) run();
+      if (!open.empty() && (tile32s != by32 || tile_mins != mins || open.size() == kOpen)) run(t);
       by32 = tile32s;
       mins = tile_mins;
       Panel* p = panels.data() + open.size() * nb;
@@ -173,7 +191,7 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
 #endif
       open.emplace_back(tile.n0, tile.rows);
     }
-    run();
+    run(hi);
     run32();
   });
 }
