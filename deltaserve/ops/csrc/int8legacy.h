@@ -3,9 +3,9 @@
 // (Q5_0), q (the _1 types, whose offset m then adds m dx sum(qx) per block, from the rounded activations), IQ4_NL's
 // levels (the nibbles index kIQ4Levels; in decode's registers the levels + 128, unsigned, as a bias of 128). Decode
 // reads a row's blocks straight into registers (legacy_row); prefill opens 16 rows at a time into a Q8Tile for
-// int8q8.h's GEMM, 2 such tiles at a time (run_tiles; on AMX tiles where they run, 4: run_amx). Q8_0 rows beside them are read
-// where they lie. Q4_0 rows are held 16 to a row panel where the K-quants' are (panels.h): decode reads them with
-// panel_gemv.h's panel_q40, prefill opens a panel with open_q40_panel.
+// int8q8.h's GEMM, 2 such tiles at a time (run_tiles; on AMX tiles where they run, 4: run_amx). Q8_0 rows beside
+// them are read where they lie. Q4_0 rows are held 16 to a row panel where the K-quants' are (panels.h): decode reads
+// them with panel_gemv.h's panel_q40, prefill opens a panel with open_q40_panel.
 #pragma once
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
