@@ -135,11 +135,15 @@ def test_mtp_layer_matches_the_float64_reference(tiny, with_mtp):
     assert (mtp[0] - trunk[0]).abs().max() > 0.1  # a prediction of its own, not the trunk's
 
 
-def test_cached_mtp_and_chained_drafts_match_the_reference(tiny, with_mtp):
-    """The trunk fed in uneven chunks keeps the MTP cache in step; draft steps then extend it: the first
-    reads the trunk's last hidden state, the next the MTP layer's own output with the drafted token."""
+@pytest.mark.parametrize("pass_tokens", [None, 4], ids=["one-pass", "passes-of-4"])
+def test_cached_mtp_and_chained_drafts_match_the_reference(tiny, with_mtp, pass_tokens):
+    """The trunk fed in uneven chunks (each in passes of 4 tokens, too) keeps the MTP cache in step; draft steps
+    then extend it: the first reads the trunk's last hidden state, the next the MTP layer's own output with the
+    drafted token."""
     path, W = with_mtp
     model = QwenModel.from_checkpoint(open_checkpoint(path), **F32)
+    if pass_tokens:
+        model.pass_tokens = pass_tokens
     T = len(IDS) - 1
     state = model.new_state(2, 40, mtp=True)
     for a, b in ((0, 5), (5, 6), (6, T)):
