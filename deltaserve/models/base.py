@@ -111,7 +111,7 @@ class HybridModel(nn.Module, ABC):
         empty state, nothing is kept, gradients flow, and the logits of every position come back (or with
         logits="hidden" the final-normed hidden states [N, T, E]).
         A state made with mtp=True also gets the MTP layer's entries for the tokens (models/mtp.py).
-        With logits="last", N * T tokens beyond `pass_tokens` run in passes of at most that many.
+        With logits="last" and no snapshots, N * T tokens beyond `pass_tokens` run in passes of at most that many.
         """
         if state is None:
             if not self.supports_training:
@@ -156,7 +156,7 @@ class HybridModel(nn.Module, ABC):
         return out
 
     def _trunk(self, input_ids, positions, state: HybridState | None, slots, start, logits: str,
-               snaps: Snapshots | None = None) -> torch.Tensor:
+               snaps: Snapshots | None = None) -> torch.Tensor | None:
         rope = self.rope(positions)
         # the embeddings passed on, not kept here: run_layers lets go of each layer's input once it has the next
         h = self.run_layers(self.embed(input_ids, self.compute_dtype), rope, state, slots, start, snaps,
