@@ -11,7 +11,9 @@ with torch, or with llama-cpp-python: a fixed cost that dominates small files); 
 ratios deltaserve / llama.cpp. Below it:
 which of our decode kernels read how much of the weights, the GB/s our decode GEMVs alone stream them at
 (a token through every matmul weight), the machine's memory bandwidth by a 1 GiB torch copy, and the matmul
-kernels' rates beside this machine's peaks measured in the same run (bench/kernels.py).
+kernels' rates beside this machine's peaks measured in the same run (bench/kernels.py). Last, both engines loaded
+at once decode in alternating rounds (bench/rounds.py): a ratio from the same seconds of a shared host, whose
+memory rate moves between the repetitions.
 Both do the same work: llama-cpp-python's Llama keeps no prefix states (without a LlamaCache), so
 deltaserve's prefix checkpoints are off unless --cache-mb gives them a budget.
 """
@@ -26,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from deltaserve.bench import llama_peer, peak_rss_mb
+from deltaserve.bench import llama_peer, peak_rss_mb, rounds
 
 
 def _prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
@@ -249,6 +251,9 @@ def main(argv=None):
     p.add_argument("--cache-mb", type=float, default=0.0,
                    help="deltaserve's prefix-checkpoint budget (default 0: off, as llama-cpp-python's Llama keeps "
                         "no prefix states without a LlamaCache, so both engines do the same work)")
+    p.add_argument("--rounds", type=int, default=8, help="then decode both engines loaded at once, alternating this "
+                                                        "many rounds (bench/rounds.py; default 8, 0: skip)")
+    p.add_argument("--round-tokens", type=int, default=16, help="decode tokens per round (default 16)")
     p.add_argument("--json", help="write the results here as JSON")
     p.add_argument("--worker", choices=["deltaserve", "llama.cpp", "bandwidth", "kernels"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -278,6 +283,11 @@ def main(argv=None):
     peer_note = llama_peer.note() if "llama.cpp" in engines else None
     if peer_note:
         print(peer_note)
+    paired = None
+    if "llama.cpp" in engines and args.rounds > 0:
+        paired = rounds.decode_rounds({"deltaserve": args.model, "llama.cpp": args.peer_model or args.model},
+                                      args.threads, args.rounds, args.round_tokens, args.dtype)
+        print(rounds.format_rounds(paired, args.rounds, args.round_tokens))
     gemv, read, share = (statistics.median(r[k] for r in runs["deltaserve"])
                          for k in ("gemv_gbps", "read_beside_gbps", "gemv_share"))
     copy = _run_worker("bandwidth", args)["copy_gbps"]
@@ -291,7 +301,8 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "threads": args.threads, "runs": runs, "median": median,
-                       "copy_gbps": copy, "kernels": kern, "peer_note": peer_note}, f, indent=2)
+                       "copy_gbps": copy, "kernels": kern, "peer_note": peer_note, "decode_rounds": paired}, f,
+                      indent=2)
         print(f"wrote {args.json}")
 
 
