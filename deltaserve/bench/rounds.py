@@ -17,6 +17,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 from deltaserve.bench import llama_peer
@@ -74,16 +75,21 @@ def _worker(model: str, engine: str, threads: int, context: int, dtype: str):
 
 
 def _start(model: str, engine: str, threads: int, context: int, dtype: str) -> subprocess.Popen:
+    """A worker, its stderr in a file (a pipe nobody reads while the rounds run could fill and stall it)."""
     cmd = [sys.executable, "-m", "deltaserve.bench.rounds", model, engine, str(threads), str(context), dtype]
-    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
                             env={**os.environ, "DELTASERVE_NO_PROGRESS": "1"})
+    proc.log = log
+    return proc
 
 
 def _answer(proc: subprocess.Popen, engine: str) -> str:
     line = proc.stdout.readline()
     if not line:
         proc.wait()
-        raise RuntimeError(f"{engine} rounds worker failed:\n{proc.stderr.read()[-2000:]}")
+        proc.log.seek(0)
+        raise RuntimeError(f"{engine} rounds worker failed:\n{proc.log.read()[-2000:].decode(errors='replace')}")
     return line.strip()
 
 
@@ -105,10 +111,14 @@ def decode_rounds(models: dict[str, str], threads: int, rounds: int, tokens: int
                 procs[e].stdin.flush()
                 seconds[e].append(float(_answer(procs[e], e)))
     finally:
-        for p in procs.values():
-            if p.stdin:
-                p.stdin.close()
-            p.wait(timeout=60)
+        for p in procs.values():  # EOF on stdin ends a worker; one still loading its model is stopped
+            p.stdin.close()
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            p.log.close()
     return summarize(seconds, tokens)
 
 

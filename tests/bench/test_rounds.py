@@ -20,8 +20,8 @@ def test_rates_and_ratios_by_hand():
 
 
 def test_the_deltaserve_worker_answers_each_round_with_its_seconds(tiny_gguf):
-    proc = subprocess.Popen([sys.executable, "-m", "deltaserve.bench.rounds", str(tiny_gguf), "deltaserve", "2", "600", "float32"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    cmd = [sys.executable, "-m", "deltaserve.bench.rounds", str(tiny_gguf), "deltaserve", "2", "600", "float32"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
         for n in (3, 5):
