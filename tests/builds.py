@@ -21,6 +21,11 @@ def run_in_build(test_file: str, march: str, select: str, needs: str = "avx512f"
     if check is not None:
         done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=1100)
         assert done.returncode == 0, done.stderr[-2000:]
+    run_with(test_file, select, env)
+
+
+def run_with(test_file: str, select: str, env: dict) -> None:
+    """Run the tests of `test_file` that `select` (-k) picks in a subprocess with environment `env`; they must pass."""
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file, "-k", select],
                           env=env, capture_output=True, text=True, timeout=1100)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]

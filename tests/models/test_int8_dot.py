@@ -3,6 +3,9 @@ Q8_K), products summed in integers. Checked against float64 products of gguf-py'
 activations rounded to Q8_K here in numpy (the spec: d = max|x| / 127, q = nearest(x * 127 / max|x|)), and
 against the exact float64 product within the bound that rounding allows."""
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +16,7 @@ from deltaserve.models.layers import linear
 from deltaserve.ops import fused
 from tests.models.test_packed_weights import assert_matmul, packed_matrix
 from tests.models.test_q8_weights import q8_0_rounded
-from tests.builds import run_in_build
+from tests.builds import run_in_build, run_with
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="the C++ kernels did not build here")
 
@@ -241,6 +244,17 @@ def test_avx2_build_of_the_kernels(march, needs):
     AVX2 build's qwen35 run parts from llama.cpp's greedy text at token 16 with a top-2 margin of 6.6e-2 std, past
     the bound that the AVX-512 build, llama.cpp's own arithmetic here, meets.)"""
     run_in_build(__file__, march, "not build and not llama_cpp", needs=needs)
+
+
+def test_panels_prefetching_into_the_other_cache():
+    """The decode panels prefetch their runs into L1 on AMD CPUs and into L2 elsewhere (panel_gemv.h kPanelL1): two
+    instantiations of every panel kernel, of which a CPU takes one. DELTASERVE_PANEL_PREFETCH runs the other here,
+    through the panel tests above."""
+    if not packed.panels_here() or "DELTASERVE_PANEL_PREFETCH" in os.environ:
+        pytest.skip("no panel kernels in this build" if not packed.panels_here() else "already the other path's run")
+    other = "l2" if "AuthenticAMD" in Path("/proc/cpuinfo").read_text() else "l1"
+    run_with(__file__, "panels and (kernel_matches or decode_threads or 32_weight or mixed_types)",
+             dict(os.environ, DELTASERVE_PANEL_PREFETCH=other))
 
 
 def test_build_without_vnni():

@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "int8dot.h"
@@ -33,16 +35,32 @@ inline __m512i dot_pairs(__m512i acc, __m512i a, __m512i b) {
 #endif
 }
 
-// The panel kernels prefetch their stream into L2 (T1: prefetches into L1 are capped by its fill buffers) a distance
-// ahead, a code run's line as the run is read: the same prefetches issued a block at a time (36 for Q4_K, then its 64
-// vpdpbusd) streamed 22.3 GB/s where spread among the loads 26.4 (cold Q4_K, two Xeon cores). A block's first bytes
-// (its scales, which every run's sums need) are prefetched as it starts. The distance must cover memory's latency in
-// the time a core takes to read it: 4 KB on the Xeon (4 beat 1-3 and 5-8 there), 8 KB on AMD, whose Zen 5 cores go
-// through a block faster (one core, cold rows, against the float16 GEMV in the same process: Q4_K 0.63-0.67 -> 0.72-0.73,
-// Q5_K 0.56-0.63 -> 0.66-0.74, Q3_K 0.60-0.69 -> 0.74-0.89, IQ4_XS 0.86-0.99 -> 1.03-1.08, Q4_0 0.61-0.71 ->
-// 0.68-0.74); Q6_K's, three runs a block, stream faster at 4 KB there too (0.69-0.88 against 0.63-0.68).
+// The panel kernels prefetch their stream a distance ahead, a code run's line as the run is read: the same prefetches
+// issued a block at a time (36 for Q4_K, then its 64 vpdpbusd) streamed 22.3 GB/s where spread among the loads 26.4
+// (cold Q4_K, two Xeon cores). A block's first bytes (its scales, which every run's sums need) are prefetched into L2
+// as it starts. The distance must cover memory's latency in the time a core takes to read it: 4 KB on the Xeon (4 beat
+// 1-3 and 5-8 there), 8 KB on AMD, whose Zen 5 cores go through a block faster (one core, cold rows, against the
+// float16 GEMV in the same process: Q4_K 0.63-0.67 -> 0.72-0.73, Q5_K 0.56-0.63 -> 0.66-0.74, Q3_K 0.60-0.69 ->
+// 0.74-0.89, IQ4_XS 0.86-0.99 -> 1.03-1.08, Q4_0 0.61-0.71 -> 0.68-0.74); Q6_K's, three runs a block, stream faster at
+// 4 KB there too (0.69-0.88 against 0.63-0.68). The runs' lines go into L2 (T1) on Intel, where the AMX Xeon's L1 fill
+// buffers capped prefetches into L1 (T0: 16.2 against 22.5 GB/s, cold Q4_K, two cores), and into L1 on AMD, measured
+// once the prefetches were spread (load_run): Zen 5, two cores, cold 48K x 1024 matrices, the two alternating in one
+// process, T0 against T1: Q4_K +19%, Q5_K +28%, Q6_K +19%, Q3_K +26%, Q4_0 +17%, IQ4_XS +10%, Q2_K +1% (one core
+// +3-12%); decode of whole files Q4_K_M +7%, Q5_K_M +5%, Q6_K +6%, the MoE +6%, IQ4_XS +1%. The kernels take the
+// choice as a template flag (L1), read once per call; DELTASERVE_PANEL_PREFETCH=l1 or l2 sets it (so that one CPU's
+// tests run both).
 constexpr int64_t kPanelNear = 4096;
 inline const int64_t kPanelAhead = __builtin_cpu_is("amd") ? 8192 : kPanelNear;
+inline const bool kPanelL1 = [] {
+  const char* set = std::getenv("DELTASERVE_PANEL_PREFETCH");
+  return set ? std::string(set) == "l1" : static_cast<bool>(__builtin_cpu_is("amd"));
+}();
+
+template <bool L1>
+inline void prefetch_line(const char* p) {
+  if constexpr (L1) _mm_prefetch(p, _MM_HINT_T0);
+  else _mm_prefetch(p, _MM_HINT_T1);
+}
 
 template <bool Near = false>
 inline void prefetch_span(const uint8_t* p, int64_t bytes) {
@@ -56,9 +74,9 @@ inline void prefetch_span(const uint8_t* p, int64_t bytes) {
 // alternating: one core Q4_K 30.1 -> 34.5 GB/s, Q5_K 26.3 -> 31.6, Q6_K 32.1 -> 35.4, Q2_K 37.2 -> 42.9 (IQ4_XS, Q3_K,
 // Q4_0, whose loops issue 4-8 at a time, the same); two cores Q6_K +16%, Q4_K and Q5_K +3-5%; decode of whole files
 // (alternating every 16 tokens) Q4_K_M +13%, Q5_K_M +17%, Q6_K +15%, IQ4_XS +5%.
-template <bool Near = false>
+template <bool L1, bool Near = false>
 inline __m512i load_run(const uint8_t* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p) + (Near ? kPanelNear : kPanelAhead), _MM_HINT_T1);
+  prefetch_line<L1>(reinterpret_cast<const char*>(p) + (Near ? kPanelNear : kPanelAhead));
   asm volatile("" ::: "memory");
   return _mm512_loadu_si512(p);
 }
@@ -83,7 +101,7 @@ inline void add_block(__m512* acc, const __m512i* sums, const __m512i* mins, __m
 }
 
 // out[m * 16 + r] = (row r of a Q4_K / Q5_K panel) . (activation row m), x[b * xs + m]
-template <int MB, bool Q5>
+template <int MB, bool Q5, bool L1>
 inline void panel_k4(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t xs, float* out) {
   constexpr int64_t kBlock = k4_codes(Q5) + 2048, kCodes = k4_codes(Q5);
   const __m512i m4 = _mm512_set1_epi8(0xF), m6 = _mm512_set1_epi8(0x3F), m30 = _mm512_set1_epi8(0x30), bit4 = _mm512_set1_epi8(0x10);
@@ -112,10 +130,10 @@ inline void panel_k4(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t 
 #pragma GCC unroll 4
         for (int l = 0; l < 4; ++l) {
           const int l4 = 4 * half + l;
-          const __m512i v = load_run(p + kCodes + (j * 8 + l4) * 64);
+          const __m512i v = load_run<L1>(p + kCodes + (j * 8 + l4) * 64);
           __m512i lo, hi;
           if constexpr (Q5) {  // bit 2j (2j + 1) of the high bits to bit 4
-            const __m512i h = j == 0 ? load_run(p + kQ5High + l4 * 64) : _mm512_loadu_si512(p + kQ5High + l4 * 64);
+            const __m512i h = j == 0 ? load_run<L1>(p + kQ5High + l4 * 64) : _mm512_loadu_si512(p + kQ5High + l4 * 64);
             const __m512i hl = 2 * j <= 4 ? _mm512_slli_epi16(h, 4 - 2 * j) : _mm512_srli_epi16(h, 2 * j - 4);
             const __m512i hh = 2 * j + 1 <= 4 ? _mm512_slli_epi16(h, 3 - 2 * j) : _mm512_srli_epi16(h, 2 * j - 3);
             lo = _mm512_ternarylogic_epi32(v, m4, _mm512_and_si512(hl, bit4), 0xEA);
@@ -148,7 +166,7 @@ inline void panel_k4(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t 
 
 // the same for a Q6_K panel: codes (value + 32) per 16 elements summed, less 32 x the activations' sum, times the
 // row's int8 scale (vpmulld: 16-element sums of 6-bit codes pass 2^15)
-template <int MB>
+template <int MB, bool L1>
 inline void panel_q6k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t xs, float* out) {
   const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
   __m512 acc[MB];
@@ -170,7 +188,7 @@ inline void panel_q6k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t
           const int l4 = 4 * half + l;
           const uint8_t* run = p + (2 * n + half) * 832 + l * 192;  // ql (quarters 0, 2), ql + 32 (1, 3), qh
           if (l == 0) prefetch_span<true>(p + (2 * n + half) * 832 + 768, 64);  // the section's scales
-          const __m512i a = load_run<true>(run), c = load_run<true>(run + 64), h = load_run<true>(run + 128);
+          const __m512i a = load_run<L1, true>(run), c = load_run<L1, true>(run + 64), h = load_run<L1, true>(run + 128);
           // quarter q of the half: a nibble of a (q even) or c (odd), high bits 2q, 2q + 1 of h at bits 4, 5
           __m512i codes[4];
           codes[0] = _mm512_ternarylogic_epi32(a, m4, _mm512_and_si512(_mm512_slli_epi16(h, 4), m30), 0xEA);
@@ -202,7 +220,7 @@ inline void panel_q6k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t
 
 // the same for an IQ4_XS panel: codes looked up (vpshufb) as level + 128, each 32's sum less 128 x the activations'
 // sum, times the row's scale - 32 (vpmulld), a float multiply-add per block
-template <int MB>
+template <int MB, bool L1>
 inline void panel_iq4xs(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t xs, float* out) {
   const __m512i m4 = _mm512_set1_epi8(0xF), m3 = _mm512_set1_epi32(3), m4d = _mm512_set1_epi32(0xF);
   alignas(16) uint8_t levels[16];
@@ -228,7 +246,7 @@ inline void panel_iq4xs(const uint8_t* panel, int64_t nb, const XBlock* x, int64
       for (int m = 0; m < MB; ++m) sum[m] = _mm512_set1_epi32(-128 * x[b * xs + m].bs32[ib]);
 #pragma GCC unroll 4
       for (int l4 = 0; l4 < 4; ++l4) {
-        const __m512i v = load_run(p + kIQ4Codes + (ib * 4 + l4) * 64);
+        const __m512i v = load_run<L1>(p + kIQ4Codes + (ib * 4 + l4) * 64);
         const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, m4));
         const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
 #pragma GCC unroll 4
@@ -251,7 +269,7 @@ inline void panel_iq4xs(const uint8_t* panel, int64_t nb, const XBlock* x, int64
 // 16's sum (|sum| <= 16 x 4 x 127: an int16) times its scale per lane by one vpdpwssd, a float multiply-add per
 // block. Q3_K's offset of 4 is at the scale: each sum starts at -4 x the activations' sum. Q2_K's mins (the high
 // nibbles of its scale bytes) are at dmin: (min, min) pairs against pairs of the activations' sums.
-template <int MB, bool Q3>
+template <int MB, bool Q3, bool L1>
 inline void panel_q23k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_t xs, float* out) {
   constexpr int64_t kBlock = Q3 ? kQ3Block : kQ2Block, kCodes = Q3 ? kQ3Codes : kQ2Codes;
   const __m512i m3 = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4), m4d = _mm512_set1_epi32(0xF), m3d = _mm512_set1_epi32(3);
@@ -263,7 +281,7 @@ inline void panel_q23k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_
     if constexpr (!Q3) prefetch_span(p + kQ2D, 64);
     // the scale bytes a dword per row: Q3_K's 12 (u[2] the top bits), Q2_K's 16
     __m512i u[4];
-    for (int w = 0; w < (Q3 ? 3 : 4); ++w) u[w] = load_run(p + 64 * w);
+    for (int w = 0; w < (Q3 ? 3 : 4); ++w) u[w] = load_run<L1>(p + 64 * w);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(Q3 ? panel + 32 * b : p + kQ2D)));
     __m512i ai[MB];
     for (int m = 0; m < MB; ++m) ai[m] = _mm512_setzero_si512();
@@ -278,9 +296,9 @@ inline void panel_q23k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_
 #pragma GCC unroll 4
         for (int l = 0; l < 4; ++l) {
           const int l4 = 4 * half + l;
-          const __m512i qs = load_run(p + kCodes + (8 * n + l4) * 64);
+          const __m512i qs = load_run<L1>(p + kCodes + (8 * n + l4) * 64);
           __m512i hm = _mm512_setzero_si512();
-          if constexpr (Q3) hm = n == 0 ? load_run(p + kQ3High + l4 * 64) : _mm512_loadu_si512(p + kQ3High + l4 * 64);
+          if constexpr (Q3) hm = n == 0 ? load_run<L1>(p + kQ3High + l4 * 64) : _mm512_loadu_si512(p + kQ3High + l4 * 64);
 #pragma GCC unroll 4
           for (int k = 0; k < 4; ++k) {
             const int g = 4 * n + k;  // 32 elements: bits 2k of qs, bit g of hm
@@ -332,23 +350,28 @@ inline void panel_q23k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_
 
 using PanelKernel = void (*)(const uint8_t*, int64_t, const XBlock*, int64_t, float*);
 
-template <int MB>
-inline PanelKernel panel_kernel_mb(int64_t type) {
+template <int MB, bool L1>
+inline PanelKernel panel_kernel_of(int64_t type) {
   switch (type) {
-    case Q4_K: return panel_k4<MB, false>;
-    case Q5_K: return panel_k4<MB, true>;
-    case Q6_K: return panel_q6k<MB>;
-    case IQ4_XS: return panel_iq4xs<MB>;
-    case Q2_K: return panel_q23k<MB, false>;
-    case Q3_K: return panel_q23k<MB, true>;
+    case Q4_K: return panel_k4<MB, false, L1>;
+    case Q5_K: return panel_k4<MB, true, L1>;
+    case Q6_K: return panel_q6k<MB, L1>;
+    case IQ4_XS: return panel_iq4xs<MB, L1>;
+    case Q2_K: return panel_q23k<MB, false, L1>;
+    case Q3_K: return panel_q23k<MB, true, L1>;
   }
   return nullptr;
+}
+
+template <int MB>
+inline PanelKernel panel_kernel_mb(int64_t type) {
+  return kPanelL1 ? panel_kernel_of<MB, true>(type) : panel_kernel_of<MB, false>(type);
 }
 
 // out[m * 16 + r] = (row r of a Q4_0 panel: nb blocks of 32) . (activation row m0 + m of a, rounded per 32 as
 // llama.cpp's Q8_0): per block, the codes' low nibbles (elements 4j ..) and high ones (16 + 4j ..) of each run j
 // through vpdpbusd, the bias of 8 as -8 x the block's activation sum (a.start / 16, exact), then d dx per lane
-template <int MB>
+template <int MB, bool L1>
 inline void panel_q40(const uint8_t* panel, int64_t nb, const q8::Q8Acts& a, int64_t m0, float* out) {
   const __m512i m4 = _mm512_set1_epi8(0xF);
   __m512 acc[MB];
@@ -360,7 +383,7 @@ inline void panel_q40(const uint8_t* panel, int64_t nb, const q8::Q8Acts& a, int
     for (int m = 0; m < MB; ++m) sum[m] = _mm512_set1_epi32(a.start[(m0 + m) * nb + b] / 16);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m512i v = load_run(p + 64 * j);
+      const __m512i v = load_run<L1>(p + 64 * j);
       const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
 #pragma GCC unroll 4
       for (int m = 0; m < MB; ++m) {
@@ -376,10 +399,17 @@ inline void panel_q40(const uint8_t* panel, int64_t nb, const q8::Q8Acts& a, int
 }
 
 using Q40Kernel = void (*)(const uint8_t*, int64_t, const q8::Q8Acts&, int64_t, float*);
-inline Q40Kernel panel_q40_kernel(int64_t mb) {
-  static constexpr Q40Kernel by_rows[4] = {panel_q40<1>, panel_q40<2>, panel_q40<3>, panel_q40<4>};
-  return by_rows[std::min<int64_t>(mb, 4) - 1];
+template <bool L1>
+inline Q40Kernel panel_q40_of(int64_t mb) {
+  switch (mb) {
+    case 1: return panel_q40<1, L1>;
+    case 2: return panel_q40<2, L1>;
+    case 3: return panel_q40<3, L1>;
+    default: return panel_q40<4, L1>;
+  }
 }
+
+inline Q40Kernel panel_q40_kernel(int64_t mb) { return kPanelL1 ? panel_q40_of<true>(mb) : panel_q40_of<false>(mb); }
 
 // activation rows are taken 4 at a time (more would spill the accumulators)
 inline PanelKernel panel_kernel(int64_t type, int64_t mb) {
