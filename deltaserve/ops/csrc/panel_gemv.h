@@ -47,8 +47,8 @@ inline __m512i dot_pairs(__m512i acc, __m512i a, __m512i b) {
 // once the prefetches were spread (load_run): Zen 5, two cores, cold 48K x 1024 matrices, the two alternating in one
 // process, T0 against T1: Q4_K +19%, Q5_K +28%, Q6_K +19%, Q3_K +26%, Q4_0 +17%, IQ4_XS +10%, Q2_K +1% (one core
 // +3-12%); decode of whole files Q4_K_M +7%, Q5_K_M +5%, Q6_K +6%, the MoE +6%, IQ4_XS +1%. The kernels take the
-// choice as a template flag (L1), read once per call; DELTASERVE_PANEL_PREFETCH=l1 or l2 sets it (so that one CPU's
-// tests run both).
+// choice as a template flag (L1), made once as the module loads; DELTASERVE_PANEL_PREFETCH=l1 or l2 makes it instead
+// (so that one CPU's tests run both).
 constexpr int64_t kPanelNear = 4096;
 inline const int64_t kPanelAhead = __builtin_cpu_is("amd") ? 8192 : kPanelNear;
 inline const bool kPanelL1 = [] {
