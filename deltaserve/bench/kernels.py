@@ -7,7 +7,7 @@ Peaks (ops/csrc/probe.h): float32 FMAs, int8 and bf16 dot products with 12 indep
 tiles' tdpbf16ps and tdpbsud where this CPU runs them: four independent tile sums a thread), memory reads of a
 buffer 4x the L3 the OS reports, in 2 MB pages (as a model's weights). Kernels, per weight format, at a 0.8B model's
 shapes: the decode GEMV (one row of activations, weights streamed from memory: GB/s of whole calls against a plain
-read of as many bytes timed the same way right after it) and the prefill GEMM (256 rows: GOP/s against the int8 or
+read of as many bytes after each call) and the prefill GEMM (256 rows: GOP/s against the int8 or
 FMA peak); the float16 GEMM (256 and 512 rows: GFLOP/s against the FMA peak) and torch's float32 GEMM beside them.
 Each figure comes from the fastest of many short timings: on a shared machine other processes only ever slow one
 down, and a call of a few ms often runs whole between them. The float16 GEMM's rate is taken as the peaks are, each
@@ -49,16 +49,18 @@ def _best(fn, reps: int = 30) -> float:
     return min(times)
 
 
-def _fastest_of(calls, share: float = 0.2) -> float:
-    """Mean time of the fastest `share` of calls (each timed alone, run in turn: distinct data, so none hits the
-    cache another left warm)."""
-    times = []
-    for call in calls:
-        t = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t)
-    fastest = sorted(times)[:max(1, int(len(times) * share))]
-    return sum(fastest) / len(fastest)
+def _fastest_pair(calls, others, share: float = 0.2) -> tuple[float, float]:
+    """Mean times of the fastest `share` of calls and of others, run in turn, each call followed by its other (each
+    timed alone: distinct data, so none hits the cache another left warm; pairs seconds apart, so that both sides
+    see the same minutes of a shared host)."""
+    times: tuple[list, list] = ([], [])
+    for pair in zip(calls, others):
+        for side, call in zip(times, pair):
+            t = time.perf_counter()
+            call()
+            side.append(time.perf_counter() - t)
+    fastest = [sorted(side)[:max(1, int(len(side) * share))] for side in times]
+    return sum(fastest[0]) / len(fastest[0]), sum(fastest[1]) / len(fastest[1])
 
 
 def _thread_rate(calls, row_bytes: float, share: float = 0.2) -> float | None:
@@ -133,10 +135,10 @@ def kernel_rates() -> list[dict]:
         # decode: matrices in turn, 4x the L3 in all, so the weights come from memory as in a model
         mats = [_matrix(qtype, _ROWS, _HIDDEN, seed=i) for i in range(_count(_ROWS * _HIDDEN // 2))]
         x, y = torch.randn(1, _HIDDEN), torch.empty(1, _ROWS)
-        t = _fastest_of([lambda w=w: ext.linear_int8(x, w, w.packing.table, y) for w in mats * 3])
         shares = _thread_rate([lambda w=w: ext.linear_int8_shares(x, w, w.packing.table, y) for w in mats * 3],
                               mats[0].nbytes / _ROWS)
-        rows.append(_decode_row("linear_int8 decode", qtype.name, t, mats[0].nbytes, shares))
+        calls = [lambda w=w: ext.linear_int8(x, w, w.packing.table, y) for w in mats * 3]
+        rows.append(_decode_row("linear_int8 decode", qtype.name, calls, mats[0].nbytes, shares))
         w = _matrix(qtype, N, _HIDDEN)
         xs, ys = torch.randn(M, _HIDDEN), torch.empty(M, N)
         rows += _prefill_rows(ext, "linear_int8", qtype.name, lambda: ext.linear_int8(xs, w, w.packing.table, ys),
@@ -155,24 +157,21 @@ def kernel_rates() -> list[dict]:
     return rows
 
 
-def _decode_row(kernel: str, fmt: str, seconds: float, nbytes: int, thread_rate: float | None) -> dict:
+def _decode_row(kernel: str, fmt: str, calls: list, nbytes: int, thread_rate: float | None) -> dict:
     """A decode GEMV's row: its whole calls' rate (what a decode step waits) against a plain read of as many bytes
-    timed the same way right after it, with the threads' own shares added up beside it (the kernel alone, where it
-    times them)."""
-    return dict(kernel=kernel, format=fmt, shape=f"1x{_ROWS}x{_HIDDEN}", seconds=seconds, rate=nbytes / seconds / 1e9,
-                shares_rate=thread_rate / 1e9 if thread_rate else None, unit="GB/s", peak="read_beside",
-                read_beside=_read_beside(nbytes))
-
-
-def _read_beside(nbytes: int) -> float:
-    """GB/s of a plain read (ops read_sum, all threads) timed as the decode rows are: calls of nbytes each in turn over
-    a buffer 4x the L3, three rounds, the mean of the fastest fifth. The host's memory rate moves from one minute to
-    the next (plain reads of 32-94 GB/s in one session on the Zen 5), and the read peak's fastest 1 MB rounds are
-    bursts no whole call sustains (about twice a whole pass's rate, once), so each row is measured against its own."""
+    (ops read_sum, all threads) timed call by call between them, with the threads' own shares added up beside it (the
+    kernel alone, where it times them). The host's memory rate moves from one minute to the next (plain reads of
+    32-94 GB/s in one session on the Zen 5), and the read peak's fastest 1 MB rounds are bursts no whole call sustains
+    (about twice a whole pass's rate, once): each GEMV call is followed by a read of its size, from a buffer 4x the L3,
+    and each side's rate is the mean of its fastest fifth."""
     nb = nbytes // 256 * 256
     pieces = weight_empty((max(1, stream_bytes() // nb) * nb,), torch.uint8).fill_(1).view(-1, nb)
     ext = fused.extension()
-    return nb / _fastest_of([lambda p=p: ext.read_sum(p) for p in list(pieces) * 3]) / 1e9
+    reads = [lambda p=p: ext.read_sum(p) for p in pieces]
+    gemv, read = _fastest_pair(calls, [reads[i % len(reads)] for i in range(len(calls))])
+    return dict(kernel=kernel, format=fmt, shape=f"1x{_ROWS}x{_HIDDEN}", seconds=gemv, rate=nbytes / gemv / 1e9,
+                shares_rate=thread_rate / 1e9 if thread_rate else None, unit="GB/s", peak="read_beside",
+                read_beside=nb / read / 1e9)
 
 
 def peak_of(row: dict, peaks: dict) -> float:
@@ -192,10 +191,10 @@ def _q8_rates(ext, M: int, N: int) -> list[dict]:
     """The Q8_0 integer kernels at the same shapes as the K-quants'."""
     mats = [_q8_matrix(_ROWS, _HIDDEN, seed=i) for i in range(_count(_ROWS * _HIDDEN))]
     x, y = torch.randn(1, _HIDDEN), torch.empty(1, _ROWS)
-    t = _fastest_of([lambda w=w: ext.linear_q8_int8(x, w, w.scale, y) for w in mats * 3])
     nbytes = mats[0].numel() * 34 // 32
     shares = _thread_rate([lambda w=w: ext.linear_q8_int8_shares(x, w, w.scale, y) for w in mats * 3], nbytes / _ROWS)
-    out = [_decode_row("linear_q8_int8 decode", "Q8_0", t, nbytes, shares)]
+    calls = [lambda w=w: ext.linear_q8_int8(x, w, w.scale, y) for w in mats * 3]
+    out = [_decode_row("linear_q8_int8 decode", "Q8_0", calls, nbytes, shares)]
     w = _q8_matrix(N, _HIDDEN)
     xs, ys = torch.randn(M, _HIDDEN), torch.empty(M, N)
     return out + _prefill_rows(ext, "linear_q8_int8", "Q8_0", lambda: ext.linear_q8_int8(xs, w, w.scale, ys), M, N,
@@ -211,9 +210,9 @@ def _bf16_rates(ext, M: int, N: int) -> list[dict]:
 
     mats = [matrix(_ROWS, i) for i in range(_count(_ROWS * _HIDDEN * 2))]
     x, y = torch.randn(1, _HIDDEN), torch.empty(1, _ROWS)
-    t = _fastest_of([lambda w=w: ext.linear_bf16(x, w, y, True) for w in mats * 3])
     shares = _thread_rate([lambda w=w: ext.linear_bf16_shares(x, w, y, True) for w in mats * 3], 2 * _HIDDEN)
-    out = [_decode_row("linear_bf16 decode", "BF16", t, mats[0].nbytes, shares)]
+    calls = [lambda w=w: ext.linear_bf16(x, w, y, True) for w in mats * 3]
+    out = [_decode_row("linear_bf16 decode", "BF16", calls, mats[0].nbytes, shares)]
     w, xs, ys = matrix(N, 0), torch.randn(M, _HIDDEN), torch.empty(M, N)
     return out + _prefill_rows(ext, "linear_bf16", "BF16", lambda: ext.linear_bf16(xs, w, ys, True), M, N, "GFLOP/s",
                                "bf16_gflops", "amx_bf16_gflops")
@@ -239,9 +238,9 @@ def _f16_decode_row(ext) -> dict:
     """The float16 decode GEMV (ops/csrc/gemv.h: float32 activations, weights widened in registers)."""
     mats = [(torch.randn(_ROWS, _HIDDEN) * 0.05).half() for _ in range(_count(_ROWS * _HIDDEN * 2))]
     x, y = torch.randn(1, _HIDDEN), torch.empty(1, _ROWS)
-    t = _fastest_of([lambda w=w: ext.linear_f16(x, w, y) for w in mats * 3])
     shares = _thread_rate([lambda w=w: ext.linear_f16_shares(x, w, y) for w in mats * 3], 2 * _HIDDEN)
-    return _decode_row("linear_f16 decode", "F16", t, mats[0].nbytes, shares)
+    calls = [lambda w=w: ext.linear_f16(x, w, y) for w in mats * 3]
+    return _decode_row("linear_f16 decode", "F16", calls, mats[0].nbytes, shares)
 
 
 def _f16_row(ext, M: int, N: int) -> dict:

@@ -69,6 +69,17 @@ def test_bench_kernels_reports_rates_within_the_measured_peaks(tmp_path):
         assert 0 < k["rate"] <= 1.25 * peak, k
 
 
+def test_decode_rows_time_each_call_beside_its_read():
+    """The GEMV calls and the reads they are measured against alternate, call by call (the same minutes of a host
+    whose memory rate moves), and each side's time is the mean of its own fastest fifth."""
+    order = []
+    calls = [lambda i=i: order.append(f"gemv{i}") for i in range(10)]
+    reads = [lambda i=i: order.append(f"read{i}") for i in range(10)]
+    gemv, read = kernels._fastest_pair(calls, reads)
+    assert order == [f"{side}{i}" for i in range(10) for side in ("gemv", "read")]
+    assert gemv > 0 and read > 0
+
+
 def _cache_dir(root: Path, sizes: dict) -> Path:
     """A sysfs cache directory (as /sys/devices/system/cpu/cpu0/cache) with one index per level: size strings."""
     for i, (level, size) in enumerate(sizes.items()):
