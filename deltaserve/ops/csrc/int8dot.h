@@ -147,18 +147,24 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, XBl
 
 // -- weight blocks ---------------------------------------------------------------------------------
 
-// the 8 scales and 8 mins of a Q4_K / Q5_K block (ggml's get_scale_min_k4 for all at once, on 32-bit words)
-inline void k4_scales(const uint8_t* packed, uint8_t* sc, uint8_t* mn) {
-  uint32_t u[4];
+// the 8 scales and 8 mins of a Q4_K / Q5_K block, a byte each of two words (ggml's get_scale_min_k4 for all at once,
+// on 32-bit words), in registers
+inline void k4_scale_words(const uint8_t* packed, uint64_t& sc, uint64_t& mn) {
+  uint32_t u[3];
   std::memcpy(u, packed, 12);
   const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
-  u[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);  // mins 4..7
-  const uint32_t mins = u[1] & m6;                        // mins 0..3
-  u[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);        // scales 4..7
-  u[0] &= m6;                                             // scales 0..3
-  std::memcpy(sc, u, 8);
-  std::memcpy(mn, &mins, 4);
-  std::memcpy(mn + 4, u + 3, 4);
+  sc = (u[0] & m6) | static_cast<uint64_t>((u[2] & m4) | (((u[0] >> 6) & m2) << 4)) << 32;
+  mn = (u[1] & m6) | static_cast<uint64_t>(((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4)) << 32;
+}
+
+// the same as bytes: each array written by one 8-byte store, so that an 8-byte load of it is forwarded from the store
+// (where GCC had written 4 bytes at a time, each block's load of them waited for the stores to retire: the AVX2
+// decode GEMVs of Q4_K rows ran at half their rate)
+inline void k4_scales(const uint8_t* packed, uint8_t* sc, uint8_t* mn) {
+  uint64_t s, m;
+  k4_scale_words(packed, s, m);
+  std::memcpy(sc, &s, 8);
+  std::memcpy(mn, &m, 8);
 }
 
 // sc / off per 16 elements from 8 values per 32 (each twice)

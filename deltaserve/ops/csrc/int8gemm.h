@@ -19,6 +19,7 @@
 #include "amx.h"
 #include "int8dot.h"
 #include "int8gemm_amx.h"
+#include "int8gemv_avx2.h"
 #include "int8ktile_avx2.h"
 #include "int8panel.h"
 #include "panel_gemv.h"
@@ -302,6 +303,20 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
           block32_rows(seg, base, s, n0, n1, K, x8, yp, N);
           continue;
         }
+#if defined(__AVX2__) && !defined(__AVX512BW__)
+        if (M <= kRows && rows_avx2(type)) {  // decode on AVX2 (int8gemv_avx2.h): each row's codes opened in registers
+          for (int64_t n = n0; n < n1; ++n) {
+            const uint8_t* row = native_row(seg, base, s, n, K, row_scratch(K));
+            for (int64_t g = 0; g < M; g += kRows) {
+              const int64_t mb = std::min<int64_t>(kRows, M - g);
+              float sums[kRows];
+              rows_avx2_kernel(type, mb)(row, nb, xq + g * nb, sums);
+              for (int64_t m = 0; m < mb; ++m) yp[(g + m) * N + n] = sums[m];
+            }
+          }
+          continue;
+        }
+#endif
         for (int64_t n = n0; n < n1; ++n) open_row(type, native_row(seg, base, s, n, K, row_scratch(K)), nb, w.data() + (n - n0) * nb);
 #if defined(DELTASERVE_BLOCK32_AVX2)
         if (M > kRows) {  // prefill: tiles of 8 rows (int8ktile_avx2.h)
