@@ -66,8 +66,8 @@ constexpr int kRows = 4;  // 16 ymm registers
 #endif
 
 // IQ4_XS's codes: where vpdpbusd runs (AVX-512 VNNI: its panels), its levels + 128 (up to 241) with an offset of
-// 128 x its scale; elsewhere the levels themselves, signed (|level| <= 127), which dot_rows multiplies as llama.cpp
-// does on AVX2 (|code| unsigned, the activations with the code's sign): + 128 would pass int16 in vpmaddubsw's pairs.
+// 128 x its scale; elsewhere the levels themselves, signed (|level| <= 127), which the AVX2 kernels multiply as
+// llama.cpp does (|code| unsigned, the activations with the code's sign): + 128 would pass int16 in vpmaddubsw's pairs.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kIQ4Signed = false;
 #else
@@ -349,88 +349,11 @@ inline void open_row(int64_t type, const uint8_t* row, int64_t nb, WBlock* w) {
 
 // -- the dot products ------------------------------------------------------------------------------
 
-// out[m] = (weight row w) . (activation row m of x), MB rows, x laid out [nb][MB]. SIGNED: codes are signed bytes
-// (IQ4_XS's levels where kIQ4Signed): |code| goes into vpmaddubsw unsigned, the activations take the code's sign.
+// out[m] = (weight row w) . (activation row m of x), MB rows, x laid out [nb][MB]; SIGNED: codes are signed bytes
+// (IQ4_XS's levels where kIQ4Signed). The portable build's decode: AVX-512 decodes from registers (panel_gemv.h,
+// int8gemv.h), AVX2 too (int8gemv_avx2.h), and their prefills take tiles (int8gemm.h, int8ktile_avx2.h).
 template <int MB, bool SIGNED>
 inline void dot_rows(const WBlock* w, const XBlock* x, int64_t nb, float* out) {
-#if defined(__AVX512BW__)
-  // the scale of each int16 pair sum of 64-element chunk c: scale 4c + lane / 8
-  alignas(64) static const int16_t kLaneScale[4][32] = {
-      {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
-      {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
-      {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9, 10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
-      {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13, 14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}};
-  __m512 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const WBlock& wb = w[b];
-    const XBlock* xb = x + b * MB;
-    const __m512i s16 = _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(wb.sc)));
-    __m512i ai[MB];
-    for (int m = 0; m < MB; ++m) ai[m] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {  // 64 elements: 32 int16 pair sums, scale 4c + (lane / 8)
-      const __m512i codes = _mm512_load_si512(wb.q + 64 * c);
-      const __m512i sv = _mm512_permutexvar_epi16(_mm512_load_si512(kLaneScale[c]), s16);
-      const __m512i mag = SIGNED ? _mm512_abs_epi8(codes) : codes;
-      const __mmask64 negative = SIGNED ? _mm512_movepi8_mask(codes) : 0;
-#pragma GCC unroll 8
-      for (int m = 0; m < MB; ++m) {
-        __m512i xv = _mm512_load_si512(xb[m].q + 64 * c);
-        if (SIGNED) xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
-        const __m512i p = _mm512_maddubs_epi16(mag, xv);
-#if defined(__AVX512VNNI__)
-        ai[m] = _mm512_dpwssd_epi32(ai[m], p, sv);
-#else
-        ai[m] = _mm512_add_epi32(ai[m], _mm512_madd_epi16(p, sv));
-#endif
-      }
-    }
-    const __m256i off = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb.off));
-#pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) {
-      const __m256i o = _mm256_madd_epi16(off, _mm256_load_si256(reinterpret_cast<const __m256i*>(xb[m].bs)));
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[m]), _mm512_set1_ps(wb.d * xb[m].d), acc[m]);
-      acc[m] = _mm512_fnmadd_ps(_mm512_zextps256_ps512(_mm256_cvtepi32_ps(o)), _mm512_set1_ps(wb.o * xb[m].d), acc[m]);
-    }
-  }
-  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
-#elif defined(__AVX2__)
-  __m256 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const WBlock& wb = w[b];
-    const XBlock* xb = x + b * MB;
-    __m256i ai[MB];
-    for (int m = 0; m < MB; ++m) ai[m] = _mm256_setzero_si256();
-    for (int c = 0; c < 8; ++c) {  // 32 elements: 16 int16 pair sums, scales 2c (lanes 0..7), 2c + 1
-      const __m256i codes = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb.q + 32 * c));
-      const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(wb.sc[2 * c + 1]), _mm_set1_epi16(wb.sc[2 * c]));
-      const __m256i mag = SIGNED ? _mm256_sign_epi8(codes, codes) : codes;
-      for (int m = 0; m < MB; ++m) {
-        __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb[m].q + 32 * c));
-        if (SIGNED) xv = _mm256_sign_epi8(xv, codes);
-        const __m256i p = _mm256_maddubs_epi16(mag, xv);
-#if defined(__AVXVNNI__)
-        ai[m] = _mm256_dpwssd_avx_epi32(ai[m], p, sv);
-#else
-        ai[m] = _mm256_add_epi32(ai[m], _mm256_madd_epi16(p, sv));
-#endif
-      }
-    }
-    const __m256i off = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb.off));
-    for (int m = 0; m < MB; ++m) {
-      const __m256i o = _mm256_madd_epi16(off, _mm256_load_si256(reinterpret_cast<const __m256i*>(xb[m].bs)));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[m]), _mm256_set1_ps(wb.d * xb[m].d), acc[m]);
-      acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(o), _mm256_set1_ps(wb.o * xb[m].d), acc[m]);
-    }
-  }
-  for (int m = 0; m < MB; ++m) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
-    const __m128 s = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    out[m] = _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
-  }
-#else
   for (int m = 0; m < MB; ++m) out[m] = 0.f;
   for (int64_t b = 0; b < nb; ++b)
     for (int m = 0; m < MB; ++m) {
@@ -444,7 +367,6 @@ inline void dot_rows(const WBlock* w, const XBlock* x, int64_t nb, float* out) {
       }
       out[m] += w[b].d * xb.d * s - w[b].o * xb.d * o;
     }
-#endif
 }
 
 template <bool SIGNED>
