@@ -24,7 +24,9 @@ namespace deltaserve {
 namespace kq {
 
 #if defined(__AVX2__) && !defined(__AVX512BW__)
-inline bool rows_avx2(int64_t type) { return type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS; }
+inline bool rows_avx2(int64_t type) {
+  return type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS;
+}
 
 inline __m256i scaled_pairs(__m256i acc, __m256i pairs, __m256i scales) {
 #if defined(__AVXVNNI__)
@@ -46,7 +48,9 @@ inline int32_t lane_sum(__m128i v) {
 }
 
 // every int16 lane = word w of each 128-bit half of v
-inline __m256i word_of(__m256i v, int w) { return _mm256_shuffle_epi8(v, _mm256_set1_epi16(static_cast<int16_t>((2 * w + 1) << 8 | 2 * w))); }
+inline __m256i word_of(__m256i v, int w) {
+  return _mm256_shuffle_epi8(v, _mm256_set1_epi16(static_cast<int16_t>((2 * w + 1) << 8 | 2 * w)));
+}
 
 // a Q4_K / Q5_K block's scales and mins as int16 lanes, from registers
 inline void k4_scales16(const uint8_t* packed, __m128i& sc, __m128i& mn) {
