@@ -241,9 +241,10 @@ def test_avx2_build_of_the_kernels(march, needs):
     """On an AVX-512 machine the AVX2 paths (ymm, vpmaddwd; decode rows opened in registers by int8gemv_avx2.h, the
     32-weight blocks by int8legacy_avx2.h) are built for x86-64-v3, and with AVX-VNNI (vpdpwssd, vpdpbusd on ymm:
     Intel's client cores) for alderlake, and run the kernel tests above; so does the portable C++ (x86-64-v2: the
-    K-quant rows opened into memory and summed in plain loops, int8dot.h dot_rows). (Not the whole models against llama.cpp: these tiny random models amplify summation order, and the
-    AVX2 build's qwen35 run parts from llama.cpp's greedy text at token 16 with a top-2 margin of 6.6e-2 std, past
-    the bound that the AVX-512 build, llama.cpp's own arithmetic here, meets.)"""
+    K-quant rows opened into memory and summed in plain loops, int8dot.h dot_rows). (Not the whole models against
+    llama.cpp: these tiny random models amplify summation order, and the AVX2 build's qwen35 run parts from
+    llama.cpp's greedy text at token 16 with a top-2 margin of 6.6e-2 std, past the bound that the AVX-512 build,
+    llama.cpp's own arithmetic here, meets.)"""
     run_in_build(__file__, march, "not build and not llama_cpp", needs=needs)
 
 

@@ -287,9 +287,9 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
   float* yp = y.data_ptr<float>();
   if (direct) return gemv_direct(seg, base, xq, x8, M, K, yp);
   if (kPanelGemm && M > kRows) return gemm_panels(seg, base, xq, x8, M, K, yp, group);
-  // decode (AVX2: int8gemv_avx2.h's rows; the portable build: one row opened into L1 and used at once); prefill: 32,
-  // so that each few rows of x are read from L1 by
-  // 32 weight rows (at 16 the AVX2 build's 512 x 3584 K-quant GEMMs ran 10% slower, x coming from L3)
+  // decode: one row (AVX2: int8gemv_avx2.h's kernels; the portable build: opened into L1 and used at once); prefill:
+  // 32, so that each few rows of x are read from L1 by 32 weight rows (at 16 the AVX2 build's 512 x 3584 K-quant GEMMs
+  // ran 10% slower, x coming from L3)
   const int64_t tile = M <= kRows ? 1 : 32;
   at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t lo, int64_t hi) {
     std::vector<WBlock> w(tile * nb);

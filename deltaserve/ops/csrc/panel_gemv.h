@@ -309,7 +309,8 @@ inline void panel_q23k(const uint8_t* panel, int64_t nb, const XBlock* x, int64_
 #pragma GCC unroll 4
         for (int l = 0; l < 4; ++l) {
           const int l4 = 4 * half + l;
-          const int64_t line = Q3 ? (n == 0 ? 3 + 2 * l4 : 19 + l4) : kCodes / 64 + 8 * n + l4;  // (Q3_K: codes, high bits by turns)
+          // in order (Q3_K): after the scales' 3 lines, the first half reads a code line and a high-bit line by turns
+          const int64_t line = Q3 ? (n == 0 ? 3 + 2 * l4 : 19 + l4) : kCodes / 64 + 8 * n + l4;
           const __m512i qs = load_run<L1>(p + kCodes + (8 * n + l4) * 64, at + 64 * line);
           __m512i hm = _mm512_setzero_si512();
           if constexpr (Q3) hm = n == 0 ? load_run<L1>(p + kQ3High + l4 * 64, at + 64 * line + 64) : _mm512_loadu_si512(p + kQ3High + l4 * 64);
