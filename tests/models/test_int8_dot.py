@@ -91,6 +91,22 @@ def test_mixed_types_zero_rows_and_outliers(rows, panels, prefill_path):
     assert_int8_matmul(run(x, w), x, ref)
 
 
+@pytest.mark.parametrize("panels", PANELS)
+def test_a_call_after_others_gives_the_same_bits(panels, prefill_path):
+    """The prefill keeps each thread's opened tiles from call to call (int8gemm.h gemm_panels): a call after others
+    of other types, K and part-filled tiles gives the bits it gave before them."""
+    gen = torch.Generator().manual_seed(3)
+    a, ref_a = packed_matrix([(Q.Q4_K, 35), (Q.Q6_K, 9)], 1024, seed=11, panels=panels)
+    b, ref_b = packed_matrix([(Q.Q3_K, 21), (Q.Q2_K, 19), (Q.Q5_K, 5)] + [(Q.IQ4_XS, 13)] * (Q.IQ4_XS in INT8), 768,
+                             seed=12, panels=panels)
+    x, xb = torch.randn(40, 1024, generator=gen), torch.randn(61, 768, generator=gen) * 4
+    first = run(x, a)
+    assert_int8_matmul(run(xb, b), xb, ref_b)
+    again = run(x, a)
+    assert torch.equal(first, again)
+    assert_int8_matmul(again, x, ref_a)
+
+
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("panels", PANELS)
 @pytest.mark.parametrize("first", [Q.Q6_K, Q.Q4_0], ids=lambda t: t.name)
