@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as Q
+from gguf import GGMLQuantizationType as Q, quants as gguf_quants
 
 from deltaserve.models import packed
 from deltaserve.models.layers import linear
@@ -88,6 +88,23 @@ def test_mixed_types_zero_rows_and_outliers(rows, panels, prefill_path):
     x[min(2, rows - 1)] = 0
     x[-1, :256] = 0
     x[rows // 2, 100] = 1e4
+    assert_int8_matmul(run(x, w), x, ref)
+
+
+@pytest.mark.parametrize("rows", [3, 40], ids=lambda r: f"rows{r}")
+def test_q4_k_largest_codes_and_activations_stay_exact(rows, prefill_path):
+    """Q4_K's codes at 15, its 6-bit scales and mins at 63, activations at +-127 of their Q8_K step: the AVX2 prefill
+    sums a sub-block's 8 steps of vpmaddubsw pairs in int16 (8 x 2 x 15 x 127 = 30,480, just inside), the other paths
+    in their own ways; every output is then the largest such sum, each sign."""
+    K, n = 512, 11
+    block = np.zeros(144, dtype=np.uint8)  # d f16 | dmin f16 | scales[12] | qs[128]
+    block[0:4] = np.array([0.01, 0.002], dtype=np.float16).view(np.uint8)
+    block[4:] = 0xFF
+    blocks = np.tile(block, (n * K // 256, 1))
+    w = packed.parameter(torch.from_numpy(blocks.reshape(-1)), packed.Packing(((Q.Q4_K, n),), (n, K)))
+    ref = torch.from_numpy(gguf_quants.dequantize(blocks.reshape(n, -1), Q.Q4_K).astype(np.float64))
+    assert float(ref.max()) == pytest.approx(0.01 * 63 * 15 - 0.002 * 63, rel=1e-3)
+    x = torch.ones(rows, K) * torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0)[:, None]
     assert_int8_matmul(run(x, w), x, ref)
 
 

@@ -75,6 +75,28 @@ struct KTile8 {
   }
 
  private:
+  // s[i] += the products of STEPS steps from `first` (summed in int16) times their group's scales sc16 [8 rows][2]
+  template <int MB, int STEPS, bool SIGNED>
+  static inline __attribute__((always_inline)) void add_steps(const uint8_t* qb, const XBlock* const* xb, int first,
+                                                              const int16_t* sc16, __m256i* s) {
+    __m256i p[MB];
+    for (int i = 0; i < MB; ++i) p[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int step = first; step < first + STEPS; ++step) {
+      const __m256i cv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + step * 32));
+      const __m256i mag = SIGNED ? _mm256_sign_epi8(cv, cv) : cv;
+#pragma GCC unroll 4
+      for (int i = 0; i < MB; ++i) {
+        __m256i xv = q8::broadcast4(xb[i]->q + 4 * step);
+        if (SIGNED) xv = _mm256_sign_epi8(xv, cv);
+        p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(mag, xv));
+        asm("" : "+x"(p[i]));  // the sums in step order: GCC's reassociated tree held every product and spilled
+      }
+    }
+    const __m256i scv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc16));
+    for (int i = 0; i < MB; ++i) s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p[i], scv));
+  }
+
   template <int MB, int STEPS, bool SIGNED>
   void rows_of(const XBlock* xq, int64_t M, int64_t m0, float* y, int64_t ldy) const {
     __m256 acc[MB];
@@ -85,26 +107,13 @@ struct KTile8 {
       const uint8_t* qb = q.data() + b * 2048;
       __m256i s[MB];
       for (int i = 0; i < MB; ++i) s[i] = _mm256_setzero_si256();
-      for (int grp = 0; grp < 16; ++grp) {
-        const __m256i scv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc.data() + b * 256 + grp * 16));
+      if constexpr (STEPS == 8) {  // Q4_K: a scale per 2 groups
 #pragma GCC unroll 2
-        for (int h = 0; h < 4; h += STEPS) {
-          __m256i p[MB];
-          for (int i = 0; i < MB; ++i) p[i] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-          for (int step = 4 * grp + h; step < 4 * grp + h + STEPS; ++step) {
-            const __m256i cv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + step * 32));
-            const __m256i mag = SIGNED ? _mm256_sign_epi8(cv, cv) : cv;
-#pragma GCC unroll 4
-            for (int i = 0; i < MB; ++i) {
-              __m256i xv = q8::broadcast4(xb[i]->q + 4 * step);
-              if (SIGNED) xv = _mm256_sign_epi8(xv, cv);
-              p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(mag, xv));
-              asm("" : "+x"(p[i]));  // the sums in step order: GCC's reassociated tree held every product and spilled
-            }
-          }
-          for (int i = 0; i < MB; ++i) s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p[i], scv));
-        }
+        for (int grp = 0; grp < 16; grp += 2) add_steps<MB, 8, SIGNED>(qb, xb, 4 * grp, sc.data() + b * 256 + grp * 16, s);
+      } else {
+        for (int grp = 0; grp < 16; ++grp)
+#pragma GCC unroll 2
+          for (int h = 0; h < 4; h += STEPS) add_steps<MB, STEPS, SIGNED>(qb, xb, 4 * grp + h, sc.data() + b * 256 + grp * 16, s);
       }
       const __m256 db = _mm256_loadu_ps(d.data() + 8 * b), ob = _mm256_loadu_ps(o.data() + 8 * b);
 #pragma GCC unroll 4
