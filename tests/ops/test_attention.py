@@ -123,6 +123,15 @@ def test_head_sizes_off_the_register_width(T):
     _check(q, kc, vc, slots, start, 72 ** -0.5)
 
 
+@pytest.mark.parametrize("prefix", [0, 3, 66])
+@pytest.mark.parametrize("T", [1, 2, 3, 5, 8])
+def test_every_tail_of_the_register_blocks(T, prefix):
+    """Group 2, so 2T query rows; spans of 1 - 74 keys: the AVX2 kernels' blocks of 6 keys and of 6 rows, with the
+    last 4 or 2 of either apart (rows and keys are rounded up to 4), over full and half-full registers of columns."""
+    q, kc, vc, slots, start = _case(1, T, 4, 2, 48, 40, [prefix], torch.float16, seed=T + prefix)
+    _check(q, kc, vc, slots, start, 48 ** -0.5)
+
+
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"], ids=["avx2", "portable"])
 def test_other_builds_of_the_kernel(march):
     """On an AVX-512 machine the plain loops (no AVX-512 register kernels) are built for x86-64-v3 and -v2

@@ -186,30 +186,40 @@ inline __m256 held(__m256 x) {  // a loaded register used by several FMAs, loade
   return x;
 }
 
-// s[c, r] = k[c] . q[r] for c < keys rounded up to 4 (zero key rows past the tile's count), r < rows (a multiple
-// of 16), from the queries transposed: 16 rows (2 registers) at a time stay in L1 over all keys, each key
-// element broadcast against them, 4 keys x 2 registers of sums in flight.
-inline void scores(const float* qt, const float* k, float* s, int64_t rows, int64_t dk, int64_t keys) {
-  const int64_t up4 = (keys + 3) / 4 * 4;
-  for (int64_t r0 = 0; r0 < rows; r0 += 16)
-    for (int64_t c0 = 0; c0 < up4; c0 += 4) {
-      __m256 a[4][2];
-      for (int cc = 0; cc < 4; ++cc) a[cc][0] = a[cc][1] = _mm256_setzero_ps();
-      const float *kc = k + c0 * dk, *q = qt + r0;
-      for (int64_t i = 0; i < dk; ++i) {
-        const __m256 q0 = held(_mm256_loadu_ps(q + i * rows)), q1 = held(_mm256_loadu_ps(q + i * rows + 8));
-#pragma GCC unroll 4
-        for (int cc = 0; cc < 4; ++cc) {
-          const __m256 x = _mm256_broadcast_ss(kc + cc * dk + i);
-          a[cc][0] = _mm256_fmadd_ps(x, q0, a[cc][0]);
-          a[cc][1] = _mm256_fmadd_ps(x, q1, a[cc][1]);
-        }
-      }
-      for (int cc = 0; cc < 4; ++cc) {
-        _mm256_storeu_ps(s + (c0 + cc) * rows + r0, a[cc][0]);
-        _mm256_storeu_ps(s + (c0 + cc) * rows + r0 + 8, a[cc][1]);
-      }
+// s[c, r] = k[c] . q[r] for c0 <= c < c0 + KB, r0 <= r < r0 + 16, from the queries transposed: each key element
+// broadcast against 2 registers of rows, KB x 2 sums in flight
+template <int KB>
+inline void scores_block(const float* qt, const float* k, float* s, int64_t rows, int64_t dk, int64_t r0, int64_t c0) {
+  __m256 a[KB][2];
+#pragma GCC unroll 6
+  for (int cc = 0; cc < KB; ++cc) a[cc][0] = a[cc][1] = _mm256_setzero_ps();
+  const float *kc = k + c0 * dk, *q = qt + r0;
+  for (int64_t i = 0; i < dk; ++i) {
+    const __m256 q0 = held(_mm256_loadu_ps(q + i * rows)), q1 = held(_mm256_loadu_ps(q + i * rows + 8));
+#pragma GCC unroll 6
+    for (int cc = 0; cc < KB; ++cc) {
+      const __m256 x = _mm256_broadcast_ss(kc + cc * dk + i);
+      a[cc][0] = _mm256_fmadd_ps(x, q0, a[cc][0]);
+      a[cc][1] = _mm256_fmadd_ps(x, q1, a[cc][1]);
     }
+  }
+#pragma GCC unroll 6
+  for (int cc = 0; cc < KB; ++cc) {
+    _mm256_storeu_ps(s + (c0 + cc) * rows + r0, a[cc][0]);
+    _mm256_storeu_ps(s + (c0 + cc) * rows + r0 + 8, a[cc][1]);
+  }
+}
+
+// s[c, r] = k[c] . q[r] for c < keys rounded up to 4 (zero key rows past the tile's count), r < rows (a multiple
+// of 16): 16 rows (2 registers) at a time stay in L1 over all keys, 6 keys a block (12 sums in flight: FMAs wait 4
+// cycles and two issue a cycle, so 8 left no slack), the last 4 or 2 apart.
+inline void scores(const float* qt, const float* k, float* s, int64_t rows, int64_t dk, int64_t keys) {
+  const int64_t up4 = (keys + 3) / 4 * 4, six = up4 / 6 * 6;
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    for (int64_t c0 = 0; c0 < six; c0 += 6) scores_block<6>(qt, k, s, rows, dk, r0, c0);
+    if (up4 - six == 4) scores_block<4>(qt, k, s, rows, dk, r0, six);
+    else if (up4 - six == 2) scores_block<2>(qt, k, s, rows, dk, r0, six);
+  }
 }
 
 // lanes below n of a register (n in 1 .. 8) for the masked loads and stores of a last block of columns
@@ -217,35 +227,59 @@ inline __m256i lanes(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+// acc[r] += sum over c < n of p[c * rows + r] v[c] for r0 <= r < r0 + RB, columns d0 .. d0 + 16 (FULL) or the
+// first w of them (masked loads and stores, whose extra uops take the FMA ports: the last block only)
+template <int RB, bool FULL>
+inline void values_block(const float* p, const float* v, float* acc, int64_t rows, int64_t n, int64_t dv, int64_t r0,
+                         int64_t d0, int64_t w) {
+  const __m256i m0 = lanes(std::min<int64_t>(8, w)), m1 = lanes(std::max<int64_t>(w - 8, 0));
+  float* ar = acc + r0 * dv + d0;
+  __m256 a[RB][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < RB; ++r) {
+    a[r][0] = FULL ? _mm256_loadu_ps(ar + r * dv) : _mm256_maskload_ps(ar + r * dv, m0);
+    a[r][1] = FULL ? _mm256_loadu_ps(ar + r * dv + 8) : _mm256_maskload_ps(ar + r * dv + 8, m1);
+  }
+  for (int64_t c = 0; c < n; ++c) {
+    const float* vc = v + c * dv + d0;
+    const __m256 x0 = held(FULL ? _mm256_loadu_ps(vc) : _mm256_maskload_ps(vc, m0));
+    const __m256 x1 = held(FULL ? _mm256_loadu_ps(vc + 8) : _mm256_maskload_ps(vc + 8, m1));
+#pragma GCC unroll 6
+    for (int r = 0; r < RB; ++r) {
+      const __m256 wt = _mm256_broadcast_ss(p + c * rows + r0 + r);
+      a[r][0] = _mm256_fmadd_ps(wt, x0, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(wt, x1, a[r][1]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < RB; ++r) {
+    if (FULL) {
+      _mm256_storeu_ps(ar + r * dv, a[r][0]);
+      _mm256_storeu_ps(ar + r * dv + 8, a[r][1]);
+    } else {
+      _mm256_maskstore_ps(ar + r * dv, m0, a[r][0]);
+      _mm256_maskstore_ps(ar + r * dv + 8, m1, a[r][1]);
+    }
+  }
+}
+
+template <bool FULL>
+inline void values_cols(const float* p, const float* v, float* acc, int64_t rows, int64_t real, int64_t n, int64_t dv,
+                        int64_t d0, int64_t w) {
+  const int64_t up4 = (real + 3) / 4 * 4, six = up4 / 6 * 6;
+  for (int64_t r0 = 0; r0 < six; r0 += 6) values_block<6, FULL>(p, v, acc, rows, n, dv, r0, d0, w);
+  if (up4 - six == 4) values_block<4, FULL>(p, v, acc, rows, n, dv, six, d0, w);
+  else if (up4 - six == 2) values_block<2, FULL>(p, v, acc, rows, n, dv, six, d0, w);
+}
+
 // acc[r] += sum over c < n of p[c * rows + r] v[c] for r < real rounded up to 4 (padding rows' weights are zero),
-// any dv: 16 columns at a time (their slice of the values stays in L1 over the rows), 4 rows x 2 registers of
-// sums held across all keys of the tile, each output read and written once.
+// any dv: 16 columns at a time (their slice of the values stays in L1 over the rows), 6 rows x 2 registers of sums
+// held across all keys of the tile (as scores: 12 in flight), each output read and written once.
 inline void values(const float* p, const float* v, float* acc, int64_t rows, int64_t real, int64_t n, int64_t dv) {
   for (int64_t d0 = 0; d0 < dv; d0 += 16) {
     const int64_t w = std::min<int64_t>(16, dv - d0);
-    const __m256i m0 = lanes(std::min<int64_t>(8, w)), m1 = lanes(std::max<int64_t>(w - 8, 0));
-    for (int64_t r0 = 0; r0 < real; r0 += 4) {
-      float* ar = acc + r0 * dv + d0;
-      __m256 a[4][2];
-      for (int r = 0; r < 4; ++r) {
-        a[r][0] = _mm256_maskload_ps(ar + r * dv, m0);
-        a[r][1] = _mm256_maskload_ps(ar + r * dv + 8, m1);
-      }
-      for (int64_t c = 0; c < n; ++c) {
-        const __m256 x0 = held(_mm256_maskload_ps(v + c * dv + d0, m0));
-        const __m256 x1 = held(_mm256_maskload_ps(v + c * dv + d0 + 8, m1));
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) {
-          const __m256 wt = _mm256_broadcast_ss(p + c * rows + r0 + r);
-          a[r][0] = _mm256_fmadd_ps(wt, x0, a[r][0]);
-          a[r][1] = _mm256_fmadd_ps(wt, x1, a[r][1]);
-        }
-      }
-      for (int r = 0; r < 4; ++r) {
-        _mm256_maskstore_ps(ar + r * dv, m0, a[r][0]);
-        _mm256_maskstore_ps(ar + r * dv + 8, m1, a[r][1]);
-      }
-    }
+    if (w == 16) values_cols<true>(p, v, acc, rows, real, n, dv, d0, w);
+    else values_cols<false>(p, v, acc, rows, real, n, dv, d0, w);
   }
 }
 
