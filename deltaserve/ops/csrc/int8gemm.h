@@ -342,7 +342,8 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
             ktiles[i].open(w.data() + 8 * i * nb, std::min<int64_t>(8, n1 - n0 - 8 * i), nb);
           if (signed_codes(type)) KTile8::run<1, true>(ktiles.data(), count, xq, M, yp + n0, N);
           else if (type == Q6_K) KTile8::run<2>(ktiles.data(), count, xq, M, yp + n0, N);
-          else if (type == Q4_K) KTile8::run<8>(ktiles.data(), count, xq, M, yp + n0, N);
+          else if (type == Q4_K) KTile8::run<8, false, true>(ktiles.data(), count, xq, M, yp + n0, N);
+          else if (type == Q5_K) KTile8::run<4, false, true>(ktiles.data(), count, xq, M, yp + n0, N);
           else KTile8::run<4>(ktiles.data(), count, xq, M, yp + n0, N);
           continue;
         }

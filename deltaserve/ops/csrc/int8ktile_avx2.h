@@ -24,17 +24,19 @@ namespace kq {
 #if defined(DELTASERVE_BLOCK32_AVX2)
 
 // up to 8 opened rows: codes [nb][64 steps][8 rows][4], scales [nb][16 groups][8 rows][2] (each row's twice, for
-// vpmaddwd's pairs), offsets [nb][8 pairs of groups][8 rows][2], d and o [nb][8]
+// vpmaddwd's pairs), offsets [nb][8 pairs of groups][8 rows][2] and, for the types whose mins are per 32 (Q4_K,
+// Q5_K: a group's equals its neighbour's), off32 [nb][4 pairs of sub-blocks][8 rows][2], d and o [nb][8]
 struct KTile8 {
   std::vector<uint8_t> q;
-  std::vector<int16_t> sc, off;
+  std::vector<int16_t> sc, off, off32;
   std::vector<float> d, o;
   int64_t nb = 0, rows = 0;
 
   // from w [n][blocks] (int8dot.h open_row's), n <= 8
   void open(const WBlock* w, int64_t n, int64_t blocks) {
     nb = blocks, rows = n;
-    q.resize(nb * 2048), sc.assign(nb * 256, 0), off.assign(nb * 128, 0), d.assign(nb * 8, 0.f), o.assign(nb * 8, 0.f);
+    q.resize(nb * 2048), sc.assign(nb * 256, 0), off.assign(nb * 128, 0), off32.assign(nb * 64, 0), d.assign(nb * 8, 0.f),
+        o.assign(nb * 8, 0.f);
     for (int64_t b = 0; b < nb; ++b) {
       for (int c = 0; c < 8; ++c) {  // 32 codes of the 8 rows into 8 steps of 4 codes x 8 rows
         __m256i v[8];
@@ -50,6 +52,10 @@ struct KTile8 {
           off[b * 128 + p * 16 + 2 * r] = wb.off[2 * p];
           off[b * 128 + p * 16 + 2 * r + 1] = wb.off[2 * p + 1];
         }
+        for (int p = 0; p < 4; ++p) {
+          off32[b * 64 + p * 16 + 2 * r] = wb.off[4 * p];
+          off32[b * 64 + p * 16 + 2 * r + 1] = wb.off[4 * p + 2];
+        }
         d[b * 8 + r] = wb.d, o[b * 8 + r] = wb.o;
       }
     }
@@ -60,16 +66,17 @@ struct KTile8 {
   // from L3 at every tile where it outgrows L2: 512 x 3584 activations are 2 MB); STEPS: see the top
   // SIGNED: codes are signed bytes (IQ4_XS's levels where int8dot.h's kIQ4Signed): |code| into vpmaddubsw, the
   // activations given the code's sign (a pair of products then reaches 2 x 127 x 127: STEPS 1)
-  template <int STEPS, bool SIGNED = false>
+  // MINS32: offsets per 32 (off32 by the activations' bs32: half the vpmaddwd of off by bs)
+  template <int STEPS, bool SIGNED = false, bool MINS32 = false>
   static void run(const KTile8* tiles, int64_t count, const XBlock* xq, int64_t M, float* y, int64_t ldy) {
     for (int64_t g = 0; g < M; g += 4)
       for (int64_t t = 0; t < count; ++t) {
         float* out = y + g * ldy + 8 * t;
         switch (std::min<int64_t>(4, M - g)) {
-          case 1: tiles[t].rows_of<1, STEPS, SIGNED>(xq, M, g, out, ldy); break;
-          case 2: tiles[t].rows_of<2, STEPS, SIGNED>(xq, M, g, out, ldy); break;
-          case 3: tiles[t].rows_of<3, STEPS, SIGNED>(xq, M, g, out, ldy); break;
-          default: tiles[t].rows_of<4, STEPS, SIGNED>(xq, M, g, out, ldy);
+          case 1: tiles[t].rows_of<1, STEPS, SIGNED, MINS32>(xq, M, g, out, ldy); break;
+          case 2: tiles[t].rows_of<2, STEPS, SIGNED, MINS32>(xq, M, g, out, ldy); break;
+          case 3: tiles[t].rows_of<3, STEPS, SIGNED, MINS32>(xq, M, g, out, ldy); break;
+          default: tiles[t].rows_of<4, STEPS, SIGNED, MINS32>(xq, M, g, out, ldy);
         }
       }
   }
@@ -97,7 +104,7 @@ struct KTile8 {
     for (int i = 0; i < MB; ++i) s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p[i], scv));
   }
 
-  template <int MB, int STEPS, bool SIGNED>
+  template <int MB, int STEPS, bool SIGNED, bool MINS32>
   void rows_of(const XBlock* xq, int64_t M, int64_t m0, float* y, int64_t ldy) const {
     __m256 acc[MB];
     for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
@@ -119,10 +126,11 @@ struct KTile8 {
 #pragma GCC unroll 4
       for (int i = 0; i < MB; ++i) {
         __m256i offs = _mm256_setzero_si256();
-        for (int p = 0; p < 8; ++p) {
+        const int16_t* ob16 = MINS32 ? off32.data() + b * 64 : off.data() + b * 128;
+        for (int p = 0; p < (MINS32 ? 4 : 8); ++p) {
           int32_t pair;
-          std::memcpy(&pair, xb[i]->bs + 2 * p, 4);
-          offs = _mm256_add_epi32(offs, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(off.data() + b * 128 + p * 16)),
+          std::memcpy(&pair, (MINS32 ? xb[i]->bs32 : xb[i]->bs) + 2 * p, 4);
+          offs = _mm256_add_epi32(offs, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ob16 + p * 16)),
                                                           _mm256_set1_epi32(pair)));
         }
         const __m256 dx = _mm256_set1_ps(xb[i]->d);
