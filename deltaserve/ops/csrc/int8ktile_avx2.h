@@ -2,7 +2,8 @@
 // one int32 lane per row, as int8legacy_avx2.h's Rows32 for the 32-weight blocks. Each row's blocks are opened as
 // int8dot.h opens them (unsigned codes, int16 scales and offsets per 16, d and o) and then laid out so that one
 // vpmaddubsw multiplies 4 codes of 8 rows by 4 activations broadcast; the products of a 16-code group are summed in
-// int16 over its steps (4, or 2 for Q6_K's codes up to 63: a pair of products is at most 2 x 63 x 127) before one
+// int16 over its steps (4, or 2 for Q6_K's codes up to 63: a pair of products is at most 2 x 63 x 127; Q4_K's
+// codes up to 15 over its sub-block's 8, one scale for two groups: 8 x 2 x 15 x 127 = 30,480) before one
 // vpmaddwd times the rows' scales widens them, where the row-at-a-time dot (int8dot.h dot_rows) takes a vpmaddwd
 // and an add per step and reloads every activation row per weight row.
 //
