@@ -23,6 +23,7 @@
 #include "int8ktile_avx2.h"
 #include "int8panel.h"
 #include "panel_gemv.h"
+#include "shares.h"
 #include "xrows.h"
 
 namespace deltaserve {
@@ -242,6 +243,31 @@ inline void block32_rows(const Segments& seg, const uint8_t* base, int64_t s, in
 #endif
 }
 
+#if defined(__AVX2__) && !defined(__AVX512BW__)
+// decode on AVX2 (M <= kRows): each thread a run of output columns, taken a segment's part at a time, K-quant and
+// IQ4_XS rows by int8gemv_avx2.h's kernels (codes opened in registers as they stream in), 32-weight blocks by
+// block32_rows. (No AVX2 build holds rows in panels: those are the AVX-512 kernels' layout.)
+inline void decode_avx2(const Segments& seg, const uint8_t* base, const XBlock* xq, const q8::Q8Acts& x8, int64_t M,
+                        int64_t K, float* y) {
+  const int64_t N = seg.rows, nb = K / 256;
+  at::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
+    const ShareClock clock(hi - lo);
+    for (int64_t n0 = lo, n1; n0 < hi; n0 = n1) {
+      const int64_t s = seg.find(n0), type = seg.type(s);
+      n1 = std::min(hi, seg.end(s));
+      if (q8::block32(type)) {
+        block32_rows(seg, base, s, n0, n1, K, x8, y, N);
+        continue;
+      }
+      TORCH_CHECK(rows_avx2(type) && !seg.panels(s), "linear_int8: segment ", s, " (GGML type ", type, ") has no AVX2 decode kernel");
+      for (int64_t g = 0; g < M; g += kRows)
+        rows_avx2_kernel(type, std::min<int64_t>(kRows, M - g))(seg.row(base, s, n0, K), n1 - n0, nb * layout(type).bytes, nb,
+                                                                xq + g * nb, y + g * N + n0, N);
+    }
+  });
+}
+#endif
+
 // which instructions the integer kernels of this build use (the benchmark prints it)
 inline std::string int8_isa() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -303,9 +329,11 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
   float* yp = y.data_ptr<float>();
   if (direct) return gemv_direct(seg, base, xq, x8, M, K, yp);
   if (kPanelGemm && M > kRows) return gemm_panels(seg, base, xq, x8, M, K, yp, group);
-  // decode: one row (AVX2: int8gemv_avx2.h's kernels; the portable build: opened into L1 and used at once); prefill:
-  // 32, so that each few rows of x are read from L1 by 32 weight rows (at 16 the AVX2 build's 512 x 3584 K-quant GEMMs
-  // ran 10% slower, x coming from L3)
+#if defined(__AVX2__) && !defined(__AVX512BW__)
+  if (M <= kRows) return decode_avx2(seg, base, xq, x8, M, K, yp);
+#endif
+  // decode (the portable build): one row, opened into L1 and used at once; prefill: 32, so that each few rows of x are
+  // read from L1 by 32 weight rows (at 16 the AVX2 build's 512 x 3584 K-quant GEMMs ran 10% slower, x from L3)
   const int64_t tile = M <= kRows ? 1 : 32;
   at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t lo, int64_t hi) {
     std::vector<WBlock> w(tile * nb);
@@ -320,20 +348,6 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
           block32_rows(seg, base, s, n0, n1, K, x8, yp, N);
           continue;
         }
-#if defined(__AVX2__) && !defined(__AVX512BW__)
-        if (M <= kRows && rows_avx2(type)) {  // decode on AVX2 (int8gemv_avx2.h): each row's codes opened in registers
-          for (int64_t n = n0; n < n1; ++n) {
-            const uint8_t* row = native_row(seg, base, s, n, K, row_scratch(K));
-            for (int64_t g = 0; g < M; g += kRows) {
-              const int64_t mb = std::min<int64_t>(kRows, M - g);
-              float sums[kRows];
-              rows_avx2_kernel(type, mb)(row, nb, xq + g * nb, sums);
-              for (int64_t m = 0; m < mb; ++m) yp[(g + m) * N + n] = sums[m];
-            }
-          }
-          continue;
-        }
-#endif
         for (int64_t n = n0; n < n1; ++n) open_row(type, native_row(seg, base, s, n, K, row_scratch(K)), nb, w.data() + (n - n0) * nb);
 #if defined(DELTASERVE_BLOCK32_AVX2)
         if (M > kRows) {  // prefill: tiles of 8 rows (int8ktile_avx2.h)

@@ -66,9 +66,14 @@ inline __m256i words_of(__m256i v, int w) {
   return _mm256_shuffle_epi8(v, _mm256_setr_epi16(lo, lo, lo, lo, lo, lo, lo, lo, hi, hi, hi, hi, hi, hi, hi, hi));
 }
 
+// A block's lines prefetched this far ahead: twice gemv.h's distance, as these kernels read a run of rows without a
+// pause between them (cold Q4_K / IQ4_XS / Q6_K rows on the AMX Xeon's AVX2 build, 2 threads: 22 / 20 / 16 GB/s at
+// 4,096 bytes, 27 / 27-31 / 25 at 8,192 and no more at 32,768)
+constexpr int64_t kRowsPrefetch = 8192;
+
 template <int64_t Bytes>
 inline void prefetch_row_block(const uint8_t* p) {
-  for (int64_t o = 0; o < Bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kGemvPrefetch + o, _MM_HINT_T0);
+  for (int64_t o = 0; o < Bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kRowsPrefetch + o, _MM_HINT_T0);
 }
 
 // out[m] = (a row of Q4_K, or Q5_K, blocks) . (activation row m), x laid out [nb][MB]
@@ -166,8 +171,10 @@ inline void rows_q6k_avx2(const uint8_t* row, int64_t nb, const XBlock* x, float
 }
 
 // out[m] = (a row of IQ4_XS blocks) . (activation row m), x laid out [nb][MB]: 32 bytes of nibbles hold sub-blocks
-// 2k, 2k + 1 (16 bytes each: elements 0..15 low, 16..31 high), looked up as the signed levels; |level| times the
-// activations given the level's sign (vpsignb) keeps vpmaddubsw's pairs within int16, as llama.cpp does
+// 2k, 2k + 1 (16 bytes each: elements 0..15 low, 16..31 high), looked up as the signed levels. vpmaddubsw multiplies
+// the activations' magnitudes |x| (XBlock::qa, unsigned, in the nibbles' order: qp) by the levels given x's sign
+// (vpsignb): level x, exactly, and a pair at most 2 x 128 x 127, inside int16. (llama.cpp gives x the level's sign
+// and takes |level|: one vpabsb more a 32 codes, and x's halves gathered from two registers.)
 template <int MB>
 inline void rows_iq4xs_avx2(const uint8_t* row, int64_t nb, const XBlock* x, float* out) {
   const __m256i m4 = _mm256_set1_epi8(0xF);
@@ -198,14 +205,11 @@ inline void rows_iq4xs_avx2(const uint8_t* row, int64_t nb, const XBlock* x, flo
       const __m256i lo = _mm256_shuffle_epi8(levels, _mm256_and_si256(v, m4));
       const __m256i hi = _mm256_shuffle_epi8(levels, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
       const __m256i s = words_of(sc16, 2 * k);
-      const __m256i mag_lo = _mm256_sign_epi8(lo, lo), mag_hi = _mm256_sign_epi8(hi, hi);
 #pragma GCC unroll 4
-      for (int m = 0; m < MB; ++m) {
-        const __m256i x0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb[m].q + 64 * k));
-        const __m256i x1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb[m].q + 64 * k + 32));
-        const __m256i x_lo = _mm256_permute2x128_si256(x0, x1, 0x20), x_hi = _mm256_permute2x128_si256(x0, x1, 0x31);
-        const __m256i p_lo = _mm256_maddubs_epi16(mag_lo, _mm256_sign_epi8(x_lo, lo));
-        const __m256i p_hi = _mm256_maddubs_epi16(mag_hi, _mm256_sign_epi8(x_hi, hi));
+      for (int m = 0; m < MB; ++m) {  // lo pairs with qp's first 32 of these 64, hi with the second
+        const auto at = [&](const void* v, int half) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(v) + 2 * k + half); };
+        const __m256i p_lo = _mm256_maddubs_epi16(at(xb[m].qa, 0), _mm256_sign_epi8(lo, at(xb[m].qp, 0)));
+        const __m256i p_hi = _mm256_maddubs_epi16(at(xb[m].qa, 1), _mm256_sign_epi8(hi, at(xb[m].qp, 1)));
         ai[m] = scaled_pairs(scaled_pairs(ai[m], p_lo, s), p_hi, s);
       }
     }
@@ -287,17 +291,29 @@ inline void rows_q23k_avx2(const uint8_t* row, int64_t nb, const XBlock* x, floa
   for (int m = 0; m < MB; ++m) out[m] = lane_sum(acc[m]) - mins[m];
 }
 
-using RowsAvx2 = void (*)(const uint8_t*, int64_t, const XBlock*, float*);
+// y[m * ldy + r] = (row r of `rows` rows, row_bytes apart) . (activation row m) for m < MB, by ROW a row at a time:
+// one call a run of rows, the kernel's constants set up once (a 1,024-wide row is 4 blocks, and a call, a dispatch
+// and a setup per row had cost a third of the time of the 0.8B model's GEMVs)
+template <int MB, void (*ROW)(const uint8_t*, int64_t, const XBlock*, float*)>
+void each_row(const uint8_t* row, int64_t rows, int64_t row_bytes, int64_t nb, const XBlock* x, float* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float sums[MB];
+    ROW(row + r * row_bytes, nb, x, sums);
+    for (int m = 0; m < MB; ++m) y[m * ldy + r] = sums[m];
+  }
+}
+
+using RowsAvx2 = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const XBlock*, float*, int64_t);
 
 template <int MB>
 inline RowsAvx2 rows_avx2_of(int64_t type) {
   switch (type) {
-    case Q4_K: return rows_k4_avx2<MB, false>;
-    case Q5_K: return rows_k4_avx2<MB, true>;
-    case IQ4_XS: return rows_iq4xs_avx2<MB>;
-    case Q2_K: return rows_q23k_avx2<MB, false>;
-    case Q3_K: return rows_q23k_avx2<MB, true>;
-    default: return rows_q6k_avx2<MB>;
+    case Q4_K: return each_row<MB, rows_k4_avx2<MB, false>>;
+    case Q5_K: return each_row<MB, rows_k4_avx2<MB, true>>;
+    case IQ4_XS: return each_row<MB, rows_iq4xs_avx2<MB>>;
+    case Q2_K: return each_row<MB, rows_q23k_avx2<MB, false>>;
+    case Q3_K: return each_row<MB, rows_q23k_avx2<MB, true>>;
+    default: return each_row<MB, rows_q6k_avx2<MB>>;
   }
 }
 
