@@ -36,16 +36,12 @@ inline __m256i scaled_pairs(__m256i acc, __m256i pairs, __m256i scales) {
 #endif
 }
 
-inline float lane_sum(__m256 v) {
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 s = _mm_add_ps(h, _mm_movehl_ps(h, h));
+inline float lane_sum(__m128 v) {
+  const __m128 s = _mm_add_ps(v, _mm_movehl_ps(v, v));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
-inline int32_t lane_sum(__m128i v) {
-  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
-  return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1))));
-}
+inline float lane_sum(__m256 v) { return lane_sum(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))); }
 
 // every int16 lane = word w of each 128-bit half of v
 inline __m256i word_of(__m256i v, int w) {
@@ -82,8 +78,8 @@ inline void rows_k4_avx2(const uint8_t* row, int64_t nb, const XBlock* x, float*
   constexpr int64_t kBytes = Q5 ? 176 : 144;
   const __m256i m4 = _mm256_set1_epi8(0xF), bit4 = _mm256_set1_epi8(0x10);
   __m256 acc[MB];
-  float mins[MB] = {};
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  __m128 mins[MB];  // the mins' sums in 4 lanes, added across lanes once a row
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps(), mins[m] = _mm_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = row + b * kBytes;
     prefetch_row_block<kBytes>(p);
@@ -116,10 +112,10 @@ inline void rows_k4_avx2(const uint8_t* row, int64_t nb, const XBlock* x, float*
     for (int m = 0; m < MB; ++m) {
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[m]), _mm256_set1_ps(d * xb[m].d), acc[m]);
       const __m128i o = _mm_madd_epi16(mn16, _mm_load_si128(reinterpret_cast<const __m128i*>(xb[m].bs32)));
-      mins[m] += dmin * xb[m].d * static_cast<float>(lane_sum(o));
+      mins[m] = _mm_fmadd_ps(_mm_cvtepi32_ps(o), _mm_set1_ps(dmin * xb[m].d), mins[m]);
     }
   }
-  for (int m = 0; m < MB; ++m) out[m] = lane_sum(acc[m]) - mins[m];
+  for (int m = 0; m < MB; ++m) out[m] = lane_sum(acc[m]) - lane_sum(mins[m]);
 }
 
 // out[m] = (a row of Q6_K blocks) . (activation row m), x laid out [nb][MB]
@@ -239,9 +235,8 @@ template <int MB, bool Q3>
 inline void rows_q23k_avx2(const uint8_t* row, int64_t nb, const XBlock* x, float* out) {
   constexpr int64_t kBytes = Q3 ? 110 : 84, kCodes = Q3 ? 32 : 16;
   const __m256i m3 = _mm256_set1_epi8(3), bit2 = _mm256_set1_epi8(4);
-  __m256 acc[MB];
-  float mins[MB] = {};
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  __m256 acc[MB], mins[MB];  // Q2_K's mins' sums in 8 lanes, added across lanes once a row
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps(), mins[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = row + b * kBytes;
     prefetch_row_block<kBytes>(p);
@@ -284,11 +279,11 @@ inline void rows_q23k_avx2(const uint8_t* row, int64_t nb, const XBlock* x, floa
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[m]), _mm256_set1_ps(d * xb[m].d), acc[m]);
       if constexpr (!Q3) {
         const __m256i o = _mm256_madd_epi16(mn16, _mm256_load_si256(reinterpret_cast<const __m256i*>(xb[m].bs)));
-        mins[m] += half(p + 82) * xb[m].d * static_cast<float>(lane_sum(_mm_add_epi32(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1))));
+        mins[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(o), _mm256_set1_ps(half(p + 82) * xb[m].d), mins[m]);
       }
     }
   }
-  for (int m = 0; m < MB; ++m) out[m] = lane_sum(acc[m]) - mins[m];
+  for (int m = 0; m < MB; ++m) out[m] = lane_sum(acc[m]) - lane_sum(mins[m]);
 }
 
 // y[m * ldy + r] = (row r of `rows` rows, row_bytes apart) . (activation row m) for m < MB, by ROW a row at a time:
