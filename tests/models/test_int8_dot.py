@@ -108,6 +108,23 @@ def test_q4_k_largest_codes_and_activations_stay_exact(rows, prefill_path):
     assert_int8_matmul(run(x, w), x, ref)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 40], ids=lambda r: f"rows{r}")
+def test_iq4_xs_largest_levels_and_activations_stay_exact(rows, prefill_path):
+    """IQ4_XS's level -127 (every nibble 0) at its largest scale (31), activations at +-127 of their Q8_K step: the
+    AVX2 decode multiplies |x| by the level given x's sign, the prefill |level| by x given the level's sign; either
+    way a pair of products is 2 x 127 x 127 = 32,258, inside int16, and every output the largest sum, each sign."""
+    K, n = 512, 11
+    block = np.zeros(136, dtype=np.uint8)  # d f16 | scales_h u16 | scales_l[4] | qs[128]
+    block[0:2] = np.array([0.01], dtype=np.float16).view(np.uint8)
+    block[2:8] = 0xFF  # every scale (63 - 32)
+    blocks = np.tile(block, (n * K // 256, 1))
+    w = packed.parameter(torch.from_numpy(blocks.reshape(-1)), packed.Packing(((Q.IQ4_XS, n),), (n, K)))
+    ref = torch.from_numpy(gguf_quants.dequantize(blocks.reshape(n, -1), Q.IQ4_XS).astype(np.float64))
+    assert float(ref.min()) == float(ref.max()) == pytest.approx(0.01 * 31 * -127, rel=1e-3)
+    x = torch.ones(rows, K) * torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0)[:, None]
+    assert_int8_matmul(run(x, w), x, ref)
+
+
 @pytest.mark.parametrize("panels", PANELS)
 def test_a_call_after_others_gives_the_same_bits(panels, prefill_path):
     """The prefill keeps each thread's opened tiles from call to call (int8gemm.h gemm_panels): a call after others

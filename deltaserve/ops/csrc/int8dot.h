@@ -39,10 +39,11 @@ struct alignas(64) WBlock {
 // of Q4_K / Q5_K codes as one 64-byte load of their nibbles opens them (int8gemv.h): per 128 elements, quarters 0, 2
 // (the low nibbles), then 1, 3 (the high ones). On AVX2, that of IQ4_XS's 32 bytes of nibbles (int8gemv_avx2.h):
 // per 64 elements, sixteens 0, 2 (the low nibbles of sub-blocks 2k, 2k + 1), then 1, 3; and qa = |qp| beside it.
+// (The portable build reads neither.)
 struct alignas(64) XBlock {
   int8_t q[256];
   int8_t qp[256];
-#if !defined(__AVX512BW__)
+#if defined(__AVX2__) && !defined(__AVX512BW__)
   uint8_t qa[256];
 #endif
   int16_t bs[16];
@@ -138,13 +139,6 @@ inline void quantize_block(const float* x, XBlock& out) {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(out.q + e - 16 * s + 16 * (s % 2 * 2 + s / 2)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out.qp + e), v);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out.qa + e), _mm_abs_epi8(v));  // -128 as 128, unsigned
-  }
-#else
-  for (int e = 0; e < 256; ++e) {
-    const int s = e % 64 / 16;
-    const int8_t v = out.q[e - 16 * s + 16 * (s % 2 * 2 + s / 2)];
-    out.qp[e] = v;
-    out.qa[e] = static_cast<uint8_t>(v < 0 ? -v : v);
   }
 #endif
   for (int i = 0; i < 8; ++i) out.bs32[i] = static_cast<int16_t>(out.bs[2 * i] + out.bs[2 * i + 1]);
