@@ -42,7 +42,7 @@ def q8_0_copy(w: torch.Tensor, rows_per_pass: int = 4096) -> torch.Tensor:
     layers.quantize_q8 it changes the values: for weights whose output is only a guess (DRAFT_Q8)."""
     N, K = w.shape
     q = weight_empty((N, K), torch.int8)
-    scale = torch.empty(N, K // Q8_BLOCK, dtype=torch.float16)
+    scale = weight_empty((N, K // Q8_BLOCK), torch.float16)  # 2 MB pages, as layers.quantize_q8's
     for r in range(0, N, rows_per_pass):  # in slices: the float32 temporaries stay small beside a large head
         blocks = quantize_q8_0(w[r:r + rows_per_pass]).view(-1, K // Q8_BLOCK, 2 + Q8_BLOCK)  # d f16 | q int8[32]
         scale[r:r + rows_per_pass] = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
