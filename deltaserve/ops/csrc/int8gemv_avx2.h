@@ -1,8 +1,9 @@
-// The decode GEMV of K-quant and IQ4_XS rows on AVX2 CPUs without AVX-512 (Zen 2 / 3, Intel's client cores): a
-// weight row at a time, its codes opened in registers from the file's blocks as they stream in, the arithmetic
-// llama.cpp's AVX2 dot products take (vpmaddubsw: unsigned codes x int8 activations in int16 pairs; vpmaddwd: the
-// pairs times their scale into int32; one float multiply-add per block). They replace opening each block into
-// memory (int8dot.h's WBlock: 256 codes, 16 scales and offsets) and reading it back: 1.4-2x the rate.
+// The decode GEMV of K-quant and IQ4_XS rows on AVX2 CPUs without AVX-512 (Zen 2 / 3, Intel's client cores): a run
+// of weight rows a call (each_row), a row at a time, its codes opened in registers from the file's blocks as they
+// stream in, the arithmetic llama.cpp's AVX2 dot products take (vpmaddubsw: unsigned codes x int8 activations in
+// int16 pairs; vpmaddwd: the pairs times their scale into int32; one float multiply-add per block). They replace
+// opening each block into memory (int8dot.h's WBlock: 256 codes, 16 scales and offsets) and reading it back: 1.4-2x
+// the rate.
 //
 //   Q4_K / Q5_K: 32 bytes of nibbles hold elements 64j + 0..31 (low) and 64j + 32..63 (high), sub-blocks 2j, 2j + 1
 //     of 32, one 6-bit scale each; Q5_K's fifth bits are bits 2j, 2j + 1 of its 32 high-bit bytes. The mins go
@@ -170,7 +171,7 @@ inline void rows_q6k_avx2(const uint8_t* row, int64_t nb, const XBlock* x, float
 // 2k, 2k + 1 (16 bytes each: elements 0..15 low, 16..31 high), looked up as the signed levels. vpmaddubsw multiplies
 // the activations' magnitudes |x| (XBlock::qa, unsigned, in the nibbles' order: qp) by the levels given x's sign
 // (vpsignb): level x, exactly, and a pair at most 2 x 128 x 127, inside int16. (llama.cpp gives x the level's sign
-// and takes |level|: one vpabsb more a 32 codes, and x's halves gathered from two registers.)
+// and takes |level|: one vpsignb more a 32 codes, and x's halves gathered from two registers.)
 template <int MB>
 inline void rows_iq4xs_avx2(const uint8_t* row, int64_t nb, const XBlock* x, float* out) {
   const __m256i m4 = _mm256_set1_epi8(0xF);
@@ -288,7 +289,7 @@ inline void rows_q23k_avx2(const uint8_t* row, int64_t nb, const XBlock* x, floa
 
 // y[m * ldy + r] = (row r of `rows` rows, row_bytes apart) . (activation row m) for m < MB, by ROW a row at a time:
 // one call a run of rows, the kernel's constants set up once (a 1,024-wide row is 4 blocks, and a call, a dispatch
-// and a setup per row had cost a third of the time of the 0.8B model's GEMVs)
+// and a setup per row had cost about a third of a hot 1,024-wide matrix's time)
 template <int MB, void (*ROW)(const uint8_t*, int64_t, const XBlock*, float*)>
 void each_row(const uint8_t* row, int64_t rows, int64_t row_bytes, int64_t nb, const XBlock* x, float* y, int64_t ldy) {
   for (int64_t r = 0; r < rows; ++r) {
