@@ -63,83 +63,112 @@ struct KTile8 {
   }
 
   // y[m][8 t .. 8 t + tiles[t].rows) (ldy apart) for activation rows m of xq (quantize_rows of M rows), tiles in
-  // turn for each 4 rows of xq, so that those stay in L1 across the tiles (one tile at a time over all of xq read it
-  // from L3 at every tile where it outgrows L2: 512 x 3584 activations are 2 MB); STEPS: see the top
+  // turn (NV at a time) for each MB rows of xq, so that those stay in L1 across the tiles (one tile at a time over
+  // all of xq read it from L3 at every tile where it outgrows L2: 512 x 3584 activations are 2 MB); STEPS: see the
+  // top. NV 2 x MB 3 against 1 x 4 (same bits), 2 threads at 512 x 3584 x 1024: Q4_K 343-346 -> 366 GOP/s, Q3_K
+  // 299-309 -> 335, IQ4_XS 207-208 -> 227-231; Q6_K's sums leave int16 every 2 steps, and its 12 sums of two tiles
+  // spilled there (286-299 -> 239-241), so it keeps one tile.
   // SIGNED: codes are signed bytes (IQ4_XS's levels where int8dot.h's kIQ4Signed): |code| into vpmaddubsw, the
   // activations given the code's sign (a pair of products then reaches 2 x 127 x 127: STEPS 1)
   // MINS32: offsets per 32 (off32 by the activations' bs32: half the vpmaddwd of off by bs)
   template <int STEPS, bool SIGNED = false, bool MINS32 = false>
   static void run(const KTile8* tiles, int64_t count, const XBlock* xq, int64_t M, float* y, int64_t ldy) {
-    for (int64_t g = 0; g < M; g += 4)
-      for (int64_t t = 0; t < count; ++t) {
+    constexpr int NV = STEPS == 2 ? 1 : 2, MB = NV == 2 ? 3 : 4;
+    for (int64_t g = 0; g < M; g += MB)
+      for (int64_t t = 0; t < count; t += NV) {
         float* out = y + g * ldy + 8 * t;
-        switch (std::min<int64_t>(4, M - g)) {
-          case 1: tiles[t].rows_of<1, STEPS, SIGNED, MINS32>(xq, M, g, out, ldy); break;
-          case 2: tiles[t].rows_of<2, STEPS, SIGNED, MINS32>(xq, M, g, out, ldy); break;
-          case 3: tiles[t].rows_of<3, STEPS, SIGNED, MINS32>(xq, M, g, out, ldy); break;
-          default: tiles[t].rows_of<4, STEPS, SIGNED, MINS32>(xq, M, g, out, ldy);
-        }
+        if (t + NV <= count) rows_by<MB, NV, STEPS, SIGNED, MINS32>(tiles + t, xq, M, g, out, ldy);
+        else rows_by<MB, 1, STEPS, SIGNED, MINS32>(tiles + t, xq, M, g, out, ldy);
       }
   }
 
  private:
-  // s[i] += the products of STEPS steps from `first` (summed in int16) times their group's scales sc16 [8 rows][2]
-  template <int MB, int STEPS, bool SIGNED>
-  static inline __attribute__((always_inline)) void add_steps(const uint8_t* qb, const XBlock* const* xb, int first,
-                                                              const int16_t* sc16, __m256i* s) {
-    __m256i p[MB];
-    for (int i = 0; i < MB; ++i) p[i] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int step = first; step < first + STEPS; ++step) {
-      const __m256i cv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + step * 32));
-      const __m256i mag = SIGNED ? _mm256_sign_epi8(cv, cv) : cv;
-#pragma GCC unroll 4
-      for (int i = 0; i < MB; ++i) {
-        __m256i xv = q8::broadcast4(xb[i]->q + 4 * step);
-        if (SIGNED) xv = _mm256_sign_epi8(xv, cv);
-        p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(mag, xv));
-        asm("" : "+x"(p[i]));  // the sums in step order: GCC's reassociated tree held every product and spilled
-      }
+  // rows_of for min(MB, M - m0) activation rows
+  template <int MB, int NV, int STEPS, bool SIGNED, bool MINS32>
+  static void rows_by(const KTile8* t, const XBlock* xq, int64_t M, int64_t m0, float* y, int64_t ldy) {
+    switch (std::min<int64_t>(MB, M - m0)) {
+      case 1: return rows_of<1, NV, STEPS, SIGNED, MINS32>(t, xq, M, m0, y, ldy);
+      case 2: return rows_of<2, NV, STEPS, SIGNED, MINS32>(t, xq, M, m0, y, ldy);
+      case 3: return rows_of<3, NV, STEPS, SIGNED, MINS32>(t, xq, M, m0, y, ldy);
+      default: return rows_of<MB, NV, STEPS, SIGNED, MINS32>(t, xq, M, m0, y, ldy);
     }
-    const __m256i scv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc16));
-    for (int i = 0; i < MB; ++i) s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p[i], scv));
   }
 
-  template <int MB, int STEPS, bool SIGNED, bool MINS32>
-  void rows_of(const XBlock* xq, int64_t M, int64_t m0, float* y, int64_t ldy) const {
-    __m256 acc[MB];
-    for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+  // s[i][v] += the products of STEPS steps from `first` (summed in int16) times their group's scales (tile v's at
+  // `group`); each activation broadcast serves NV tiles
+  template <int MB, int NV, int STEPS, bool SIGNED>
+  static inline __attribute__((always_inline)) void add_steps(const KTile8* t, int64_t b, const XBlock* const* xb, int first,
+                                                              int group, __m256i* s) {
+    __m256i p[MB * NV];
+    for (int i = 0; i < MB * NV; ++i) p[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int step = first; step < first + STEPS; ++step) {
+      __m256i cv[NV], mag[NV];
+      for (int v = 0; v < NV; ++v) {
+        cv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[v].q.data() + b * 2048 + step * 32));
+        mag[v] = SIGNED ? _mm256_sign_epi8(cv[v], cv[v]) : cv[v];
+      }
+#pragma GCC unroll 4
+      for (int i = 0; i < MB; ++i) {
+        const __m256i xv = q8::broadcast4(xb[i]->q + 4 * step);
+        for (int v = 0; v < NV; ++v) {
+          p[i * NV + v] = _mm256_add_epi16(p[i * NV + v], _mm256_maddubs_epi16(mag[v], SIGNED ? _mm256_sign_epi8(xv, cv[v]) : xv));
+          asm("" : "+x"(p[i * NV + v]));  // the sums in step order: GCC's reassociated tree held every product and spilled
+        }
+      }
+    }
+    for (int v = 0; v < NV; ++v) {
+      const __m256i scv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[v].sc.data() + b * 256 + group * 16));
+      for (int i = 0; i < MB; ++i) s[i * NV + v] = _mm256_add_epi32(s[i * NV + v], _mm256_madd_epi16(p[i * NV + v], scv));
+    }
+  }
+
+  // activation rows m0 .. m0 + MB by the NV tiles t[0 .. NV) (8 NV weight rows): one broadcast of 4 activations
+  // multiplies 8 NV rows' codes, fewer loads a product than one tile (on the AMX Xeon's AVX2 build, a loop of Q4_K
+  // steps in L1: NV 2 x MB 3 ~126 G products/s a core, NV 1 x MB 4 ~115)
+  template <int MB, int NV, int STEPS, bool SIGNED, bool MINS32>
+  static void rows_of(const KTile8* t, const XBlock* xq, int64_t M, int64_t m0, float* y, int64_t ldy) {
+    const int64_t nb = t[0].nb;
+    __m256 acc[MB * NV];
+    for (int i = 0; i < MB * NV; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const XBlock* xb[MB];
       for (int i = 0; i < MB; ++i) xb[i] = xq + xblock_at(M, nb, m0 + i, b);
-      const uint8_t* qb = q.data() + b * 2048;
-      __m256i s[MB];
-      for (int i = 0; i < MB; ++i) s[i] = _mm256_setzero_si256();
+      __m256i s[MB * NV];
+      for (int i = 0; i < MB * NV; ++i) s[i] = _mm256_setzero_si256();
       if constexpr (STEPS == 8) {  // Q4_K: a scale per 2 groups
 #pragma GCC unroll 2
-        for (int grp = 0; grp < 16; grp += 2) add_steps<MB, 8, SIGNED>(qb, xb, 4 * grp, sc.data() + b * 256 + grp * 16, s);
+        for (int grp = 0; grp < 16; grp += 2) add_steps<MB, NV, 8, SIGNED>(t, b, xb, 4 * grp, grp, s);
       } else {
         for (int grp = 0; grp < 16; ++grp)
 #pragma GCC unroll 2
-          for (int h = 0; h < 4; h += STEPS) add_steps<MB, STEPS, SIGNED>(qb, xb, 4 * grp + h, sc.data() + b * 256 + grp * 16, s);
+          for (int h = 0; h < 4; h += STEPS) add_steps<MB, NV, STEPS, SIGNED>(t, b, xb, 4 * grp + h, grp, s);
       }
-      const __m256 db = _mm256_loadu_ps(d.data() + 8 * b), ob = _mm256_loadu_ps(o.data() + 8 * b);
+      for (int v = 0; v < NV; ++v) {
+        const __m256 db = _mm256_loadu_ps(t[v].d.data() + 8 * b), ob = _mm256_loadu_ps(t[v].o.data() + 8 * b);
+        const int16_t* ob16 = MINS32 ? t[v].off32.data() + b * 64 : t[v].off.data() + b * 128;
 #pragma GCC unroll 4
-      for (int i = 0; i < MB; ++i) {
-        __m256i offs = _mm256_setzero_si256();
-        const int16_t* ob16 = MINS32 ? off32.data() + b * 64 : off.data() + b * 128;
-        for (int p = 0; p < (MINS32 ? 4 : 8); ++p) {
-          int32_t pair;
-          std::memcpy(&pair, (MINS32 ? xb[i]->bs32 : xb[i]->bs) + 2 * p, 4);
-          offs = _mm256_add_epi32(offs, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ob16 + p * 16)),
-                                                          _mm256_set1_epi32(pair)));
+        for (int i = 0; i < MB; ++i) {
+          __m256& a = acc[i * NV + v];
+          const __m256 dx = _mm256_set1_ps(xb[i]->d);
+          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i * NV + v]), _mm256_mul_ps(db, dx), a);
+          if constexpr (SIGNED) continue;  // IQ4_XS's levels: no offsets (o = 0)
+          __m256i offs = _mm256_setzero_si256();
+          for (int p = 0; p < (MINS32 ? 4 : 8); ++p) {
+            int32_t pair;
+            std::memcpy(&pair, (MINS32 ? xb[i]->bs32 : xb[i]->bs) + 2 * p, 4);
+            offs = _mm256_add_epi32(offs, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ob16 + p * 16)),
+                                                            _mm256_set1_epi32(pair)));
+          }
+          a = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(offs), _mm256_mul_ps(ob, dx), a);
         }
-        const __m256 dx = _mm256_set1_ps(xb[i]->d);
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(db, dx), acc[i]);
-        acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(offs), _mm256_mul_ps(ob, dx), acc[i]);
       }
     }
-    q8::store_lanes(acc, MB, y, ldy, rows);
+    for (int v = 0; v < NV; ++v) {
+      __m256 out[MB];
+      for (int i = 0; i < MB; ++i) out[i] = acc[i * NV + v];
+      q8::store_lanes(out, MB, y + 8 * v, ldy, t[v].rows);
+    }
   }
 };
 #endif
