@@ -93,11 +93,15 @@ def _cpu_flags() -> str:
 
 @functools.cache
 def available() -> bool:
-    """True when the CPU kernel compiles and loads here (the result is cached per process)."""
+    """True when the CPU kernel compiles and loads here (the result is cached per process); where it does not, says
+    once why the torch paths run instead."""
     try:
         extension()
         return True
-    except Exception:  # no compiler, no ninja, unsupported platform: the torch paths still work
+    except Exception as e:  # no compiler, no ninja, unsupported platform: the torch paths still work
+        reason = str(e).strip().splitlines()
+        print(f"deltaserve: the CPU kernels are not available ({reason[0] if reason else type(e).__name__}); running "
+              "on torch's operators instead, many times slower", file=sys.stderr, flush=True)
         return False
 
 

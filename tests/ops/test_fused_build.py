@@ -90,3 +90,24 @@ def test_processes_starting_together_compile_once(tmp_path, source):
     assert sum("deltaserve: compiling the probe" in err for _, err in results) == 1
     out, err = finish(start(build, source))  # built: loaded without the builder
     assert int(out) == spun(SPIN) and err == ""
+
+
+def test_a_failed_build_says_why_once(monkeypatch, capsys):
+    """Where the kernels cannot be built (here: a compiler error), the torch paths run, 30-80x slower: say so once,
+    with the reason, where a broken build had run on in silence (0.4 tok/s on a 0.8B model)."""
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise RuntimeError("Error building extension 'deltaserve_cpu_kernels': plan.h:244: error\nmore lines")
+
+    monkeypatch.setattr(fused, "extension", broken)
+    fused.available.cache_clear()
+    try:
+        assert [fused.available() for _ in range(3)] == [False] * 3
+        err = capsys.readouterr().err
+    finally:
+        fused.available.cache_clear()
+    assert len(calls) == 1
+    assert err.count("deltaserve: the CPU kernels are not available") == 1
+    assert "Error building extension 'deltaserve_cpu_kernels': plan.h:244: error" in err and "more lines" not in err

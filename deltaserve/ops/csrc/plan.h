@@ -38,9 +38,18 @@ struct LinearRef {
   }
 
   torch::Tensor operator()(torch::Tensor x) const {
+    torch::Tensor y;
+    return into(x, y);
+  }
+
+  // the product in `out`, which is (re)allocated only where it is not float32 [M, N] already: a decode step's plan
+  // keeps its outputs from step to step, since each torch op between the kernels costs microseconds there (the
+  // dispatcher's code and data evicted by the weights streaming through the caches)
+  torch::Tensor into(torch::Tensor x, torch::Tensor& out) const {
     if (x_index.numel()) x = x.index_select(1, x_index);
     if (kind != kF32) x = x.contiguous();  // (torch's GEMM takes rows apart, as F.linear passes them)
-    torch::Tensor y = at::empty({x.size(0), N}, at::TensorOptions().dtype(at::kFloat));
+    if (!out.defined() || out.size(0) != x.size(0)) out = at::empty({x.size(0), N}, at::TensorOptions().dtype(at::kFloat));
+    torch::Tensor& y = out;
     switch (kind) {
       case kInt8Packed: kq::linear_int8(x, w, aux, y); break;
       case kQ8: q8::linear_q8_int8(x, w, aux, y); break;
@@ -78,9 +87,9 @@ struct FeedForward {
                 "FeedForward: the shared expert needs its gate, gate_up and down");
   }
 
-  // x [M, E] float32 -> [M, E]
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    if (!router) return swiglu(gate_up[0], down[0], x, true);
+  // x [M, E] float32 -> [M, E]; an MLP's intermediates and output in `kept` (LinearRef::into)
+  torch::Tensor operator()(const torch::Tensor& x, torch::Tensor* kept = nullptr) const {
+    if (!router) return swiglu(gate_up[0], down[0], x, true, kept);
     const int64_t M = x.size(0), k = top_k;
     auto [weights, ids] = (*router)(x).softmax(-1).topk(k, -1);
     if (normalize) weights = weights / weights.sum(-1, true);
@@ -112,12 +121,15 @@ struct FeedForward {
 
   // down(silu(gate) * up) of x [M, E]. in_place (as an MLP module runs): the product over the gate half of gate_up's
   // output, which the down projection then reads rows 2I apart (a float32 GEMM's sums depend on that stride)
-  static torch::Tensor swiglu(const LinearRef& gate_up, const LinearRef& down, const torch::Tensor& x, bool in_place) {
-    const torch::Tensor g = gate_up(x);
+  static torch::Tensor swiglu(const LinearRef& gate_up, const LinearRef& down, const torch::Tensor& x, bool in_place,
+                              torch::Tensor* kept = nullptr) {
+    torch::Tensor local[2];
+    torch::Tensor* buf = kept ? kept : local;
+    const torch::Tensor g = gate_up.into(x, buf[0]);
     const int64_t I = g.size(1) / 2;
     torch::Tensor act = in_place ? g.narrow(1, 0, I) : at::empty({x.size(0), I}, at::TensorOptions().dtype(at::kFloat));
     silu_mul(g, act);
-    return down(act);
+    return down.into(act, buf[1]);
   }
 };
 
@@ -190,6 +202,11 @@ class DecodePlan {
 
  private:
   std::vector<LayerPlan> layers_;
+  // each layer's projections' outputs, kept from call to call (LinearRef::into): one call at a time per plan
+  struct Kept {
+    torch::Tensor in, out, ffn[2];
+  };
+  std::vector<Kept> kept_;
 
   torch::Tensor run(torch::Tensor h, int64_t T, torch::Tensor slots, torch::Tensor start, torch::Tensor cos,
                     torch::Tensor sin, const std::vector<torch::Tensor>& conv, const std::vector<torch::Tensor>& ssm,
@@ -204,15 +221,17 @@ class DecodePlan {
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
     const torch::Tensor none = at::empty({0}, f32);
     torch::Tensor x = at::empty_like(h);
+    kept_.resize(L);
     for (size_t i = 0; i < L; ++i) {
       const LayerPlan& l = layers_[i];
+      Kept& bufs = kept_[i];
       rms_norm(h, l.input_norm, l.eps, x, none, 0);
-      const torch::Tensor proj = l.in(x);
+      const torch::Tensor proj = l.in.into(x, bufs.in);
       torch::Tensor mixed;
       if (l.attention && T <= kStepTokens) {
-        mixed = l.out(attention_steps(l, proj, N, T, cos, sin, k_cache[i], v_cache[i], slots, start));
+        mixed = l.out.into(attention_steps(l, proj, N, T, cos, sin, k_cache[i], v_cache[i], slots, start), bufs.out);
       } else if (l.attention) {
-        mixed = l.out(attention_tokens(l, proj, N, T, cos, sin, k_cache[i], v_cache[i], slots, start));
+        mixed = l.out.into(attention_tokens(l, proj, N, T, cos, sin, k_cache[i], v_cache[i], slots, start), bufs.out);
       } else {
         torch::Tensor tape, kept;
         if (tapes) {
@@ -222,13 +241,21 @@ class DecodePlan {
         }
         const torch::Tensor o = gdn_core_kept(proj.view({N, T, proj.size(1)}), l.conv_weight, conv[i], slots, l.A,
                                               l.dt_bias, ssm[i], l.norm, l.inner_eps, l.heads, tape, kept);
-        mixed = l.out(o.view({M, -1}));
+        mixed = l.out.into(o.view({M, -1}), bufs.out);
       }
-      h.add_(mixed);
+      add_rows(h, mixed);
       rms_norm(h, l.post_norm, l.eps, x, none, 0);
-      h.add_(l.ffn(x));
+      add_rows(h, l.ffn(x, bufs.ffn));
     }
     return h;
+  }
+
+  // h += y, both float32 [M, E] contiguous (without the dispatcher and TensorIterator of h.add_: see LinearRef::into)
+  static void add_rows(torch::Tensor& h, const torch::Tensor& y) {
+    TORCH_CHECK(y.is_contiguous() && y.numel() == h.numel(), "DecodePlan: a layer's output must match h");
+    float* hp = h.data_ptr<float>();
+    const float* yp = y.data_ptr<float>();
+    for (int64_t i = 0, n = h.numel(); i < n; ++i) hp[i] += yp[i];
   }
 
   // The keys and values of proj [N T, D] (keys normed and rotated) into cache rows slots[n] from start[n].
