@@ -53,18 +53,9 @@ void conv_step4(const float* xp, int64_t xs, const float* wp, const float* bp, f
 // empty; out [T, C] (rows any stride apart; it may be x itself).
 // Threads over (sequence, block of channels); each task first lays its block of the weight out tap-major,
 // so the channel loops are contiguous (a transposed copy in torch cost more than a decode step's conv).
-void conv_forward(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor state,
-                  torch::Tensor cu_seqlens, torch::Tensor state_idx, torch::Tensor out, bool silu) {
-  const int64_t C = x.size(1), W = weight.size(1), N = cu_seqlens.size(0) - 1;
-  const float* xp = x.data_ptr<float>();
-  const int64_t xs = x.stride(0);
-  const float* wsrc = weight.data_ptr<float>();
-  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  float* sp = state.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t os = out.stride(0);
-  const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
-  const int64_t* idx = state_idx.numel() ? state_idx.data_ptr<int64_t>() : nullptr;
+// conv_forward on raw pointers (x rows xs apart, out rows os apart, weight [C, W], bias or null, idx or null)
+inline void conv_rows(const float* xp, int64_t xs, const float* wsrc, int64_t W, const float* bp, float* sp,
+                      const int64_t* cu, int64_t N, const int64_t* idx, float* op, int64_t os, int64_t C, bool silu) {
   int64_t longest = 0;
   for (int64_t n = 0; n < N; ++n) longest = std::max(longest, cu[n + 1] - cu[n]);
   if (W == 4 && longest == 1) {  // one token per sequence (decode): no blocks, no threads
@@ -115,6 +106,14 @@ void conv_forward(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, tor
         for (int64_t c = 0; c < cb; ++c) st[w * C + c] = hist[w * CB + c];
     }
   });
+}
+
+void conv_forward(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor state,
+                  torch::Tensor cu_seqlens, torch::Tensor state_idx, torch::Tensor out, bool silu) {
+  conv_rows(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), weight.size(1),
+            bias.numel() ? bias.data_ptr<float>() : nullptr, state.data_ptr<float>(), cu_seqlens.data_ptr<int64_t>(),
+            cu_seqlens.size(0) - 1, state_idx.numel() ? state_idx.data_ptr<int64_t>() : nullptr, out.data_ptr<float>(),
+            out.stride(0), x.size(1), silu);
 }
 
 }  // namespace deltaserve

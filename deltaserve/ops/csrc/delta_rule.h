@@ -303,43 +303,9 @@ inline torch::Tensor token_rows(const torch::Tensor& x) {
   return y;
 }
 
-// q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV] or [B, T, HV, K]; beta [B, T, HV], any float dtype and
-// layout (converted here where the kernel cannot read them as they are); B * T tokens of all sequences in
-// order ([1, T] when packed), sequence n at tokens cu[n] .. cu[n + 1]. state [S, HV, K, V] float32
-// contiguous, advanced in place: sequence n owns row state_idx[n] (row n when null). Writes out float32
-// contiguous [B, T, HV, V] and snaps [N, n_snaps, HV, K, V] (newest first; undefined or empty: none).
-void gdr_run(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
-             torch::Tensor state, const int64_t* cu, int64_t N, const int64_t* state_idx, torch::Tensor out,
-             torch::Tensor snaps, double scale, bool l2norm) {
-  q = token_rows(q);
-  k = token_rows(k);
-  v = token_rows(v);
-  g = g.to(at::kFloat).contiguous();
-  beta = beta.to(at::kFloat).contiguous();
-  Args a;
-  a.q = q.data_ptr<float>();
-  a.k = k.data_ptr<float>();
-  a.g = g.data_ptr<float>();
-  a.beta_in = beta.data_ptr<float>();
-  a.v = v.data_ptr<float>();
-  a.qs = q.stride(-3);
-  a.ks = k.stride(-3);
-  a.vs = v.stride(-3);
-  a.state = state.data_ptr<float>();
-  a.out = out.data_ptr<float>();
-  a.cu = cu;
-  a.state_idx = state_idx;
-  a.N = N;
-  a.n_snaps = snaps.defined() && snaps.numel() ? snaps.size(1) : 0;
-  a.snaps = a.n_snaps ? snaps.data_ptr<float>() : nullptr;
-  a.H = q.size(-2);
-  a.HV = state.size(1);
-  a.K = state.size(2);
-  a.V = state.size(3);
-  a.T = a.H * a.K ? q.numel() / (a.H * a.K) : 0;
-  a.per_channel = g.numel() > a.T * a.HV;  // g [..., HV, K], not [..., HV]
-  a.l2norm = l2norm;
-  a.scale = static_cast<float>(scale);
+// Runs a: its inputs, strides, sizes, state, out and snaps filled in (gdr_run from tensors; gdn.h from a
+// projection's rows); the window and its scratch are set here.
+inline void gdr_apply(Args a) {
   const int64_t K = a.K, V = a.V;
   a.W = std::min(a.T, kWindow);
   // the packed window, in a per-thread scratch buffer that is reused (a decode step allocates nothing)
@@ -382,6 +348,46 @@ void gdr_run(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
       else run_block<false>(a, w0, w1, n, hv, c0, width);
     }
   }
+}
+
+// q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV] or [B, T, HV, K]; beta [B, T, HV], any float dtype and
+// layout (converted here where the kernel cannot read them as they are); B * T tokens of all sequences in
+// order ([1, T] when packed), sequence n at tokens cu[n] .. cu[n + 1]. state [S, HV, K, V] float32
+// contiguous, advanced in place: sequence n owns row state_idx[n] (row n when null). Writes out float32
+// contiguous [B, T, HV, V] and snaps [N, n_snaps, HV, K, V] (newest first; undefined or empty: none).
+void gdr_run(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
+             torch::Tensor state, const int64_t* cu, int64_t N, const int64_t* state_idx, torch::Tensor out,
+             torch::Tensor snaps, double scale, bool l2norm) {
+  q = token_rows(q);
+  k = token_rows(k);
+  v = token_rows(v);
+  g = g.to(at::kFloat).contiguous();
+  beta = beta.to(at::kFloat).contiguous();
+  Args a;
+  a.q = q.data_ptr<float>();
+  a.k = k.data_ptr<float>();
+  a.g = g.data_ptr<float>();
+  a.beta_in = beta.data_ptr<float>();
+  a.v = v.data_ptr<float>();
+  a.qs = q.stride(-3);
+  a.ks = k.stride(-3);
+  a.vs = v.stride(-3);
+  a.state = state.data_ptr<float>();
+  a.out = out.data_ptr<float>();
+  a.cu = cu;
+  a.state_idx = state_idx;
+  a.N = N;
+  a.n_snaps = snaps.defined() && snaps.numel() ? snaps.size(1) : 0;
+  a.snaps = a.n_snaps ? snaps.data_ptr<float>() : nullptr;
+  a.H = q.size(-2);
+  a.HV = state.size(1);
+  a.K = state.size(2);
+  a.V = state.size(3);
+  a.T = a.H * a.K ? q.numel() / (a.H * a.K) : 0;
+  a.per_channel = g.numel() > a.T * a.HV;  // g [..., HV, K], not [..., HV]
+  a.l2norm = l2norm;
+  a.scale = static_cast<float>(scale);
+  gdr_apply(a);
 }
 
 // The general entry (ops/fused.py, which allocates out and snaps): cu_seqlens [N + 1] int64, state_idx [N]

@@ -17,13 +17,17 @@ namespace deltaserve {
 // proj [N, T, D] float32 contiguous: per token q (H K) | k (H K) | v (HV V) | z (HV V) | b (HV) | a (HV), value heads
 // grouped; conv_weight [C, W] (C = 2 H K + HV V); conv_state [S, W-1, C] and ssm_state [S, HV, K, V] float32
 // contiguous caches, sequence n in row slots[n] (distinct); A, dt_bias [HV]; norm_weight [V].
-// Returns o [N, T, HV V] (the out projection's input); proj's q | k | v columns hold the conv's output after.
+// Returns o [N, T, HV V] (the out projection's input; into `out` where that is float32 contiguous with as many
+// elements, a decode plan's buffer kept from step to step); proj's q | k | v columns hold the conv's output after.
 // For rollback (a verify pass), where defined: tape [N, W-1+T, C] gets the conv state before the pass, then the
 // conv's inputs (the conv state after token t is rows t+1 .. t+W-1), and snaps [N, depth, HV, K, V] the delta-rule
 // states after each of the last `depth` tokens, newest first.
+// The parts run on the projection's rows through raw pointers: a decode step's views of q, k, v, z and its
+// gates as tensors had cost ~15 dispatcher calls a layer, each several microseconds between GEMVs (plan.h).
 torch::Tensor gdn_core_kept(torch::Tensor proj, torch::Tensor conv_weight, torch::Tensor conv_state, torch::Tensor slots,
                             torch::Tensor A, torch::Tensor dt_bias, torch::Tensor ssm_state, torch::Tensor norm_weight,
-                            double eps, int64_t H, torch::Tensor tape, torch::Tensor snaps) {
+                            double eps, int64_t H, torch::Tensor tape, torch::Tensor snaps,
+                            torch::Tensor out = torch::Tensor()) {
   auto f32 = [](const torch::Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(); };
   TORCH_CHECK(f32(proj) && proj.dim() == 3 && f32(conv_weight) && f32(conv_state) && f32(ssm_state) && f32(A) &&
                   f32(dt_bias) && f32(norm_weight) && ssm_state.dim() == 4 && conv_state.dim() == 3,
@@ -43,10 +47,8 @@ torch::Tensor gdn_core_kept(torch::Tensor proj, torch::Tensor conv_weight, torch
   }
   std::vector<int64_t> cu(N + 1);
   for (int64_t n = 0; n <= N; ++n) cu[n] = n * T;
-  const torch::Tensor cu_t = torch::from_blob(cu.data(), {N + 1}, at::TensorOptions().dtype(at::kLong));
 
-  const torch::Tensor tokens = proj.view({N * T, D});
-  const torch::Tensor qkv = tokens.narrow(1, 0, C);
+  float* pp = proj.data_ptr<float>();
   const bool keep = tape.defined() && tape.numel();  // (undefined or empty: no rollback wanted)
   if (keep) {  // before the conv overwrites its input
     const int64_t W1 = conv_state.size(1);
@@ -58,13 +60,15 @@ torch::Tensor gdn_core_kept(torch::Tensor proj, torch::Tensor conv_weight, torch
   TORCH_CHECK(!keep || (snaps.defined() && snaps.scalar_type() == at::kFloat && snaps.is_contiguous() && snaps.dim() == 5 &&
                                    snaps.size(0) == N && snaps.size(2) == HV && snaps.size(3) == K && snaps.size(4) == V),
               "gdn_core: snaps must be float32 contiguous [N, depth, HV, K, V]");
-  conv_forward(qkv, conv_weight, torch::Tensor(), conv_state, cu_t, slots, qkv, true);
+  conv_rows(pp, D, conv_weight.data_ptr<float>(), conv_weight.size(1), nullptr, conv_state.data_ptr<float>(), cu.data(),
+            N, rows, pp, D, C, true);
 
   // The gates, a token's row at a time: each row's values then do not depend on how many rows come together (the
   // ATen ops vectorised over all of them, so a verify pass's first tokens rounded otherwise than a decode step's).
-  torch::Tensor beta = at::empty({N, T, HV}, proj.options()), g = at::empty({N, T, HV}, proj.options());
-  const float *pp = proj.data_ptr<float>(), *Ap = A.data_ptr<float>(), *dp = dt_bias.data_ptr<float>();
-  float *bp = beta.data_ptr<float>(), *gp = g.data_ptr<float>();
+  thread_local std::vector<float> gates;  // beta [N T, HV] | g [N T, HV]
+  gates.resize(2 * N * T * HV);
+  float *bp = gates.data(), *gp = bp + N * T * HV;
+  const float *Ap = A.data_ptr<float>(), *dp = dt_bias.data_ptr<float>();
   for (int64_t r = 0; r < N * T; ++r)
     for (int64_t h = 0; h < HV; ++h) {
       const float b = pp[r * D + C + HV * V + h], x = pp[r * D + C + HV * V + HV + h] + dp[h];
@@ -72,16 +76,21 @@ torch::Tensor gdn_core_kept(torch::Tensor proj, torch::Tensor conv_weight, torch
       gp[r * HV + h] = Ap[h] * (x > 20.f ? x : std::log1p(std::exp(x)));  // softplus, as torch's (threshold 20)
     }
 
-  const torch::Tensor q = proj.narrow(2, 0, H * K).unflatten(2, {H, K});
-  const torch::Tensor k = proj.narrow(2, H * K, H * K).unflatten(2, {H, K});
-  const torch::Tensor v = proj.narrow(2, 2 * H * K, HV * V).unflatten(2, {HV, V});
-  torch::Tensor o = at::empty({N, T, HV, V}, at::TensorOptions().dtype(at::kFloat));
-  gdr_run(q, k, v, g, beta, ssm_state, cu.data(), N, rows, o, keep ? snaps : torch::Tensor(),
-          1.0 / std::sqrt(static_cast<double>(K)), true);
+  const bool given = out.defined() && f32(out) && out.numel() == N * T * HV * V;
+  torch::Tensor o = given ? out : at::empty({N, T, HV * V}, at::TensorOptions().dtype(at::kFloat));
+  Args a;
+  a.q = pp, a.k = pp + H * K, a.v = pp + 2 * H * K, a.qs = a.ks = a.vs = D;  // each token's row of proj
+  a.g = gp, a.beta_in = bp;
+  a.state = ssm_state.data_ptr<float>(), a.out = o.data_ptr<float>();
+  a.cu = cu.data(), a.state_idx = rows, a.N = N, a.T = N * T;
+  a.n_snaps = keep ? snaps.size(1) : 0, a.snaps = keep ? snaps.data_ptr<float>() : nullptr;
+  a.H = H, a.HV = HV, a.K = K, a.V = V;
+  a.per_channel = false, a.l2norm = true, a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(K)));
+  gdr_apply(a);
 
-  const torch::Tensor z = tokens.narrow(1, C, HV * V).unflatten(1, {HV, V});  // [tokens, HV, V]
-  rms_norm(o, norm_weight, eps, o, z, 1);
-  return o.view({N, T, HV * V});
+  // RMSNorm(o) w silu(z), z the token's row of proj at C: [HV, V] per token
+  rms_norm_raw(a.out, norm_weight.data_ptr<float>(), a.out, pp + C, N * T * HV, V, eps, HV, D, V, 1);
+  return o;
 }
 
 torch::Tensor gdn_core(torch::Tensor proj, torch::Tensor conv_weight, torch::Tensor conv_state, torch::Tensor slots,

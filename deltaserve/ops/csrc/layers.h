@@ -87,16 +87,19 @@ inline torch::Tensor argmax_rows(const torch::Tensor& x) {
 // instead of the six small ops of the torch expression (a decode step runs ~80 norms). With a gate (float32
 // [tokens, rows per token, D], D contiguous, tokens any stride apart: a slice of a projection) the rows are
 // also multiplied by act(gate): act 1 silu, 2 sigmoid (the output gates of GDN and KDA layers).
-void rms_norm(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor out, torch::Tensor gate, int64_t act) {
-  const int64_t D = w.numel(), M = D ? x.numel() / D : 0;
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float* gp = gate.numel() ? gate.data_ptr<float>() : nullptr;
-  const int64_t per_token = gp ? gate.size(1) : 1, gs = gp ? gate.stride(0) : 0, gr = gp ? gate.stride(1) : 0;
+// rms_norm on raw pointers: M rows of D; gate (or null) per_token rows a token, gs apart by token, gr by row
+inline void rms_norm_raw(const float* xp, const float* wp, float* op, const float* gp, int64_t M, int64_t D, double eps,
+                         int64_t per_token, int64_t gs, int64_t gr, int64_t act) {
   at::parallel_for(0, M, 64, [&](int64_t lo, int64_t hi) {
     rms_norm_rows(xp, wp, op, gp, D, eps, per_token, gs, gr, act, lo, hi);
   });
+}
+
+void rms_norm(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor out, torch::Tensor gate, int64_t act) {
+  const int64_t D = w.numel(), M = D ? x.numel() / D : 0;
+  const float* gp = gate.numel() ? gate.data_ptr<float>() : nullptr;
+  rms_norm_raw(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), gp, M, D, eps, gp ? gate.size(1) : 1,
+               gp ? gate.stride(0) : 0, gp ? gate.stride(1) : 0, act);
 }
 
 // out [M, I] = silu(x[:, :I]) * x[:, I:] (SwiGLU); x [M, 2I] and out float32, rows any stride apart (out may

@@ -31,7 +31,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdr_forward", &deltaserve::gdr_forward, "fused gated delta rule (CPU, float32)");
   m.def("gdr_inplace", &deltaserve::gdr_inplace, "the common in-place call, checked in C++; None for any other");
   m.def("gdn_core", &deltaserve::gdn_core, "a GDN layer's conv, gates, delta rule and gated norm at inference (CPU)");
-  m.def("gdn_core_kept", &deltaserve::gdn_core_kept, "gdn_core keeping the conv tape and delta-rule states (CPU)");
+  m.def("gdn_core_kept", [](torch::Tensor proj, torch::Tensor conv_weight, torch::Tensor conv_state, torch::Tensor slots,
+                            torch::Tensor A, torch::Tensor dt_bias, torch::Tensor ssm_state, torch::Tensor norm_weight,
+                            double eps, int64_t H, torch::Tensor tape, torch::Tensor snaps) {
+          return deltaserve::gdn_core_kept(proj, conv_weight, conv_state, slots, A, dt_bias, ssm_state, norm_weight, eps, H,
+                                           tape, snaps);
+        }, "gdn_core keeping the conv tape and delta-rule states (CPU)");
   m.def("conv_forward", &deltaserve::conv_forward, "short causal depthwise conv with state (CPU, float32)");
   m.def("linear_f16", &deltaserve::linear_f16, "float32 activations times float16 weights, decode GEMV (CPU)");
   m.def("linear_f16_shares", [](torch::Tensor x, torch::Tensor w, torch::Tensor y) {

@@ -48,7 +48,8 @@ struct LinearRef {
   torch::Tensor into(torch::Tensor x, torch::Tensor& out) const {
     if (x_index.numel()) x = x.index_select(1, x_index);
     if (kind != kF32) x = x.contiguous();  // (torch's GEMM takes rows apart, as F.linear passes them)
-    if (!out.defined() || out.size(0) != x.size(0)) out = at::empty({x.size(0), N}, at::TensorOptions().dtype(at::kFloat));
+    if (!out.defined() || out.size(0) != x.size(0))
+      out = at::empty({x.size(0), N}, at::TensorOptions().dtype(at::kFloat));
     torch::Tensor& y = out;
     switch (kind) {
       case kInt8Packed: kq::linear_int8(x, w, aux, y); break;
@@ -204,7 +205,7 @@ class DecodePlan {
   std::vector<LayerPlan> layers_;
   // each layer's projections' outputs, kept from call to call (LinearRef::into): one call at a time per plan
   struct Kept {
-    torch::Tensor in, out, ffn[2];
+    torch::Tensor in, mixer, out, ffn[2];  // mixer: the attention's or Gated DeltaNet's output, out's input
   };
   std::vector<Kept> kept_;
 
@@ -229,7 +230,8 @@ class DecodePlan {
       const torch::Tensor proj = l.in.into(x, bufs.in);
       torch::Tensor mixed;
       if (l.attention && T <= kStepTokens) {
-        mixed = l.out.into(attention_steps(l, proj, N, T, cos, sin, k_cache[i], v_cache[i], slots, start), bufs.out);
+        mixed = l.out.into(attention_steps(l, proj, N, T, cos, sin, k_cache[i], v_cache[i], slots, start, bufs.mixer),
+                           bufs.out);
       } else if (l.attention) {
         mixed = l.out.into(attention_tokens(l, proj, N, T, cos, sin, k_cache[i], v_cache[i], slots, start), bufs.out);
       } else {
@@ -239,9 +241,10 @@ class DecodePlan {
           tape = (*tapes)[i] = at::empty({N, conv[i].size(1) + T, C}, f32);
           kept = (*snaps)[i] = at::empty({N, depth, HV, ssm[i].size(2), ssm[i].size(3)}, f32);
         }
-        const torch::Tensor o = gdn_core_kept(proj.view({N, T, proj.size(1)}), l.conv_weight, conv[i], slots, l.A,
-                                              l.dt_bias, ssm[i], l.norm, l.inner_eps, l.heads, tape, kept);
-        mixed = l.out.into(o.view({M, -1}), bufs.out);
+        if (!bufs.mixer.defined() || bufs.mixer.size(0) != M) bufs.mixer = at::empty({M, l.out.K}, f32);
+        gdn_core_kept(proj.view({N, T, proj.size(1)}), l.conv_weight, conv[i], slots, l.A, l.dt_bias, ssm[i], l.norm,
+                      l.inner_eps, l.heads, tape, kept, bufs.mixer);
+        mixed = l.out.into(bufs.mixer, bufs.out);
       }
       add_rows(h, mixed);
       rms_norm(h, l.post_norm, l.eps, x, none, 0);
@@ -280,14 +283,14 @@ class DecodePlan {
   // proj [N T, D] -> [N T, nh hd], the output projection's input.
   static torch::Tensor attention_steps(const LayerPlan& l, torch::Tensor proj, int64_t N, int64_t T, torch::Tensor cos,
                                        torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                                       torch::Tensor slots, torch::Tensor start) {
+                                       torch::Tensor slots, torch::Tensor start, torch::Tensor& kept) {
     const int64_t hd = l.q_norm.numel();
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
     const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
-    if (T == 1) {
-      torch::Tensor o = at::empty({N, l.heads * hd}, f32);
-      attention_step(proj, l.q_norm, l.k_norm, l.inner_eps, cos, sin, k_cache, v_cache, slots, start, scale, o);
-      return o;
+    if (T == 1) {  // into the output the plan keeps for this layer
+      if (!kept.defined() || kept.size(0) != N) kept = at::empty({N, l.heads * hd}, f32);
+      attention_step(proj, l.q_norm, l.k_norm, l.inner_eps, cos, sin, k_cache, v_cache, slots, start, scale, kept);
+      return kept;
     }
     torch::Tensor o = at::empty({N, T, l.heads * hd}, f32), ot = at::empty({N, l.heads * hd}, f32);
     const torch::Tensor rows = proj.view({N, T, proj.size(1)});
