@@ -98,16 +98,16 @@ def stream_bytes() -> int:
     return int(min(max(128 << 20, 4 * _l3_bytes()), ram // 8))
 
 
-def _count(matrix_bytes: int) -> int:
-    """How many distinct matrices of matrix_bytes the decode rows cycle through."""
-    return max(1, stream_bytes() // matrix_bytes)
+def _count(matrix_bytes: int, stream: int) -> int:
+    """How many distinct matrices of matrix_bytes the decode rows cycle through: stream bytes in all."""
+    return max(1, stream // matrix_bytes)
 
 
-def peaks() -> dict:
-    """float32 FMA GFLOP/s, int8 dot-product GOP/s, bf16 dot-product GFLOP/s and memory read GB/s on all of torch's
-    threads (each thread's fastest round, added up: see ops/csrc/probe.h)."""
+def peaks(stream: int) -> dict:
+    """float32 FMA GFLOP/s, int8 dot-product GOP/s, bf16 dot-product GFLOP/s and memory read GB/s (of a buffer of
+    stream bytes) on all of torch's threads (each thread's fastest round, added up: see ops/csrc/probe.h)."""
     ext = fused.extension()
-    mb = stream_bytes() >> 20
+    mb = stream >> 20
     buf = weight_empty((mb << 20,), torch.uint8).fill_(1)  # in 2 MB pages as the weights are
     # each thread reads the first half of its share at most, which the fill left longest ago (the L3 holds its end)
     return {"fma_gflops": ext.probe_fma(20_000, 200) / 1e9, "int8_gops": ext.probe_int8(20_000, 200) / 1e9,
@@ -127,26 +127,27 @@ def _matrix(qtype: Q, N: int, K: int, seed: int = 0) -> torch.Tensor:
     return packed.to_panels(packed.parameter(data, packed.Packing(((qtype, N),), (N, K))))
 
 
-def kernel_rates() -> list[dict]:
-    """Rows of (kernel, format, shape, seconds, rate, unit, peak key) for the decode GEMV and prefill GEMM."""
+def kernel_rates(stream: int) -> list[dict]:
+    """Rows of (kernel, format, shape, seconds, rate, unit, peak key) for the decode GEMV (its matrices stream bytes
+    in all) and prefill GEMM."""
     ext, rows = fused.extension(), []
     M, N = 256, _HIDDEN  # a prefill GEMM of a few ms (longer calls are preempted on a shared machine)
     for qtype in sorted(t for t in _SCALES if t in packed.int8_types()):
         # decode: matrices in turn, 4x the L3 in all, so the weights come from memory as in a model
-        mats = [_matrix(qtype, _ROWS, _HIDDEN, seed=i) for i in range(_count(_ROWS * _HIDDEN // 2))]
+        mats = [_matrix(qtype, _ROWS, _HIDDEN, seed=i) for i in range(_count(_ROWS * _HIDDEN // 2, stream))]
         x, y = torch.randn(1, _HIDDEN), torch.empty(1, _ROWS)
         shares = _thread_rate([lambda w=w: ext.linear_int8_shares(x, w, w.packing.table, y) for w in mats * 3],
                               mats[0].nbytes / _ROWS)
         calls = [lambda w=w: ext.linear_int8(x, w, w.packing.table, y) for w in mats * 3]
-        rows.append(_decode_row("linear_int8 decode", qtype.name, calls, mats[0].nbytes, shares))
+        rows.append(_decode_row("linear_int8 decode", qtype.name, calls, mats[0].nbytes, shares, stream))
         w = _matrix(qtype, N, _HIDDEN)
         xs, ys = torch.randn(M, _HIDDEN), torch.empty(M, N)
         rows += _prefill_rows(ext, "linear_int8", qtype.name, lambda: ext.linear_int8(xs, w, w.packing.table, ys),
                               M, N, "GOP/s", "int8_gops", "amx_int8_gops")
     if ext.q8_int8():
-        rows += _q8_rates(ext, M, N)
-    rows += _bf16_rates(ext, M, N)
-    rows += [_f16_decode_row(ext), _f16_row(ext, M, N), _f16_row(ext, 2 * M, _ROWS)]
+        rows += _q8_rates(ext, M, N, stream)
+    rows += _bf16_rates(ext, M, N, stream)
+    rows += [_f16_decode_row(ext, stream), _f16_row(ext, M, N), _f16_row(ext, 2 * M, _ROWS)]
     a, b = torch.randn(M, _HIDDEN), torch.randn(N, _HIDDEN)
     t = _best(lambda: torch.mm(a, b.T))
     # torch's GEMM takes this CPU's widest ISA whatever DELTASERVE_MARCH built ours for (unless MKL is held to it
@@ -157,7 +158,7 @@ def kernel_rates() -> list[dict]:
     return rows
 
 
-def _decode_row(kernel: str, fmt: str, calls: list, nbytes: int, thread_rate: float | None) -> dict:
+def _decode_row(kernel: str, fmt: str, calls: list, nbytes: int, thread_rate: float | None, stream: int) -> dict:
     """A decode GEMV's row: its whole calls' rate (what a decode step waits) against a plain read of as many bytes
     (ops read_sum, all threads) timed call by call between them, with the threads' own shares added up beside it (the
     kernel alone, where it times them). The host's memory rate moves from one minute to the next (plain reads of
@@ -165,7 +166,7 @@ def _decode_row(kernel: str, fmt: str, calls: list, nbytes: int, thread_rate: fl
     (about twice a whole pass's rate, once): each GEMV call is followed by a read of its size, from a buffer 4x the L3,
     and each side's rate is the mean of its fastest fifth."""
     nb = nbytes // 256 * 256
-    pieces = weight_empty((max(1, stream_bytes() // nb) * nb,), torch.uint8).fill_(1).view(-1, nb)
+    pieces = weight_empty((max(1, stream // nb) * nb,), torch.uint8).fill_(1).view(-1, nb)
     ext = fused.extension()
     reads = [lambda p=p: ext.read_sum(p) for p in pieces]
     gemv, read = _fastest_pair(calls, [reads[i % len(reads)] for i in range(len(calls))])
@@ -187,32 +188,32 @@ def _q8_matrix(N: int, K: int, seed: int = 0) -> torch.Tensor:
     return w
 
 
-def _q8_rates(ext, M: int, N: int) -> list[dict]:
+def _q8_rates(ext, M: int, N: int, stream: int) -> list[dict]:
     """The Q8_0 integer kernels at the same shapes as the K-quants'."""
-    mats = [_q8_matrix(_ROWS, _HIDDEN, seed=i) for i in range(_count(_ROWS * _HIDDEN))]
+    mats = [_q8_matrix(_ROWS, _HIDDEN, seed=i) for i in range(_count(_ROWS * _HIDDEN, stream))]
     x, y = torch.randn(1, _HIDDEN), torch.empty(1, _ROWS)
     nbytes = mats[0].numel() * 34 // 32
     shares = _thread_rate([lambda w=w: ext.linear_q8_int8_shares(x, w, w.scale, y) for w in mats * 3], nbytes / _ROWS)
     calls = [lambda w=w: ext.linear_q8_int8(x, w, w.scale, y) for w in mats * 3]
-    out = [_decode_row("linear_q8_int8 decode", "Q8_0", calls, nbytes, shares)]
+    out = [_decode_row("linear_q8_int8 decode", "Q8_0", calls, nbytes, shares, stream)]
     w = _q8_matrix(N, _HIDDEN)
     xs, ys = torch.randn(M, _HIDDEN), torch.empty(M, N)
     return out + _prefill_rows(ext, "linear_q8_int8", "Q8_0", lambda: ext.linear_q8_int8(xs, w, w.scale, ys), M, N,
                                "GOP/s", "int8_gops", "amx_int8_gops")
 
 
-def _bf16_rates(ext, M: int, N: int) -> list[dict]:
+def _bf16_rates(ext, M: int, N: int, stream: int) -> list[dict]:
     """The bfloat16 kernels (ops/csrc/bf16.h) at the same shapes: GEMM against the bf16 dot-product peak (vdpbf16ps,
     or the FMA peak where the build widens the weights instead)."""
     def matrix(rows: int, seed: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed)
         return weight_empty((rows, _HIDDEN), torch.bfloat16).copy_(torch.randn(rows, _HIDDEN, generator=g) * 0.05)
 
-    mats = [matrix(_ROWS, i) for i in range(_count(_ROWS * _HIDDEN * 2))]
+    mats = [matrix(_ROWS, i) for i in range(_count(_ROWS * _HIDDEN * 2, stream))]
     x, y = torch.randn(1, _HIDDEN), torch.empty(1, _ROWS)
     shares = _thread_rate([lambda w=w: ext.linear_bf16_shares(x, w, y, True) for w in mats * 3], 2 * _HIDDEN)
     calls = [lambda w=w: ext.linear_bf16(x, w, y, True) for w in mats * 3]
-    out = [_decode_row("linear_bf16 decode", "BF16", calls, mats[0].nbytes, shares)]
+    out = [_decode_row("linear_bf16 decode", "BF16", calls, mats[0].nbytes, shares, stream)]
     w, xs, ys = matrix(N, 0), torch.randn(M, _HIDDEN), torch.empty(M, N)
     return out + _prefill_rows(ext, "linear_bf16", "BF16", lambda: ext.linear_bf16(xs, w, ys, True), M, N, "GFLOP/s",
                                "bf16_gflops", "amx_bf16_gflops")
@@ -234,13 +235,13 @@ def _prefill_rows(ext, kernel: str, fmt: str, call, M: int, N: int, unit: str, p
     return out
 
 
-def _f16_decode_row(ext) -> dict:
+def _f16_decode_row(ext, stream: int) -> dict:
     """The float16 decode GEMV (ops/csrc/gemv.h: float32 activations, weights widened in registers)."""
-    mats = [(torch.randn(_ROWS, _HIDDEN) * 0.05).half() for _ in range(_count(_ROWS * _HIDDEN * 2))]
+    mats = [(torch.randn(_ROWS, _HIDDEN) * 0.05).half() for _ in range(_count(_ROWS * _HIDDEN * 2, stream))]
     x, y = torch.randn(1, _HIDDEN), torch.empty(1, _ROWS)
     shares = _thread_rate([lambda w=w: ext.linear_f16_shares(x, w, y) for w in mats * 3], 2 * _HIDDEN)
     calls = [lambda w=w: ext.linear_f16(x, w, y) for w in mats * 3]
-    return _decode_row("linear_f16 decode", "F16", calls, mats[0].nbytes, shares)
+    return _decode_row("linear_f16 decode", "F16", calls, mats[0].nbytes, shares, stream)
 
 
 def _f16_row(ext, M: int, N: int) -> dict:
@@ -255,9 +256,13 @@ def _f16_row(ext, M: int, N: int) -> dict:
                 rate=(shares or flops / t) / 1e9, wall_rate=flops / t / 1e9, unit="GFLOP/s", peak="fma_gflops")
 
 
-def report(threads: int) -> dict:
+def report(threads: int, stream_mb: int | None = None) -> dict:
+    """The peaks and kernels' rows on `threads` threads, the decode rows and the read peak streaming stream_mb MB
+    (stream_bytes() by default)."""
     torch.set_num_threads(threads)
-    return {"threads": threads, "isa": fused.extension().int8_isa(), "peaks": peaks(), "kernels": kernel_rates()}
+    stream = stream_mb << 20 if stream_mb else stream_bytes()
+    return {"threads": threads, "isa": fused.extension().int8_isa(), "stream_mb": stream >> 20, "peaks": peaks(stream),
+            "kernels": kernel_rates(stream)}
 
 
 def format_report(r: dict) -> str:
@@ -267,7 +272,7 @@ def format_report(r: dict) -> str:
              f"bf16 dot {p['bf16_gflops']:,.0f} GFLOP/s, "
              + (f"AMX tiles bf16 {p['amx_bf16_gflops']:,.0f} GFLOP/s and int8 {p['amx_int8_gops']:,.0f} GOP/s, "
                 if p.get("amx_bf16_gflops") else "")
-             + f"memory read {p['read_gbps']:,.1f} GB/s"]
+             + f"memory read {p['read_gbps']:,.1f} GB/s (decode rows and reads of {r['stream_mb']:,} MB)"]
     for k in r["kernels"]:
         wall, shares = k.get("wall_rate"), k.get("shares_rate")
         beside = (f"  (whole calls: {wall:,.1f}, {wall / peak_of(k, p):.0%})" if wall and wall != k["rate"] else
@@ -284,10 +289,15 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="threads (default: torch's)")
     p.add_argument("--json", help="write the results here as JSON")
+    p.add_argument("--stream-mb", type=int, default=None,
+                   help="MB each decode row and the read peak stream (default: 4x the L3 the OS reports, at least "
+                        "128; less runs faster, but matrices the caches hold read faster than memory)")
     args = p.parse_args(argv)
+    if args.stream_mb is not None and args.stream_mb < 1:
+        p.error(f"--stream-mb must be at least 1, not {args.stream_mb}")
     if not fused.available():
         raise SystemExit("deltaserve bench kernels: the C++ kernels did not build here")
-    r = report(args.threads)
+    r = report(args.threads, args.stream_mb)
     print(format_report(r))
     if args.json:
         with open(args.json, "w") as f:
