@@ -25,6 +25,14 @@
 
 namespace deltaserve {
 
+// buf as float32 [rows, width], allocated only where it is not that size already: a decode step's plan keeps its
+// outputs from step to step, since each torch op between the kernels costs microseconds there (the dispatcher's code
+// and data evicted by the weights streaming through the caches)
+inline torch::Tensor& kept_rows(torch::Tensor& buf, int64_t rows, int64_t width) {
+  if (!buf.defined() || buf.size(0) != rows) buf = at::empty({rows, width}, at::TensorOptions().dtype(at::kFloat));
+  return buf;
+}
+
 // y [M, N] = x [M, K] @ W^T for a weight in one of the forms linear() reads
 struct LinearRef {
   enum Kind : int64_t { kInt8Packed = 0, kQ8 = 1, kF16 = 2, kF32 = 3, kPacked = 4, kBF16 = 5, kBF16Float = 6 };
@@ -42,15 +50,11 @@ struct LinearRef {
     return into(x, y);
   }
 
-  // the product in `out`, which is (re)allocated only where it is not float32 [M, N] already: a decode step's plan
-  // keeps its outputs from step to step, since each torch op between the kernels costs microseconds there (the
-  // dispatcher's code and data evicted by the weights streaming through the caches)
+  // the product in `out`, kept where it is float32 [M, N] already (kept_rows)
   torch::Tensor into(torch::Tensor x, torch::Tensor& out) const {
     if (x_index.numel()) x = x.index_select(1, x_index);
     if (kind != kF32) x = x.contiguous();  // (torch's GEMM takes rows apart, as F.linear passes them)
-    if (!out.defined() || out.size(0) != x.size(0))
-      out = at::empty({x.size(0), N}, at::TensorOptions().dtype(at::kFloat));
-    torch::Tensor& y = out;
+    torch::Tensor& y = kept_rows(out, x.size(0), N);
     switch (kind) {
       case kInt8Packed: kq::linear_int8(x, w, aux, y); break;
       case kQ8: q8::linear_q8_int8(x, w, aux, y); break;
@@ -241,9 +245,8 @@ class DecodePlan {
           tape = (*tapes)[i] = at::empty({N, conv[i].size(1) + T, C}, f32);
           kept = (*snaps)[i] = at::empty({N, depth, HV, ssm[i].size(2), ssm[i].size(3)}, f32);
         }
-        if (!bufs.mixer.defined() || bufs.mixer.size(0) != M) bufs.mixer = at::empty({M, l.out.K}, f32);
         gdn_core_kept(proj.view({N, T, proj.size(1)}), l.conv_weight, conv[i], slots, l.A, l.dt_bias, ssm[i], l.norm,
-                      l.inner_eps, l.heads, tape, kept, bufs.mixer);
+                      l.inner_eps, l.heads, tape, kept, kept_rows(bufs.mixer, M, l.out.K));
         mixed = l.out.into(bufs.mixer, bufs.out);
       }
       add_rows(h, mixed);
@@ -288,8 +291,8 @@ class DecodePlan {
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
     const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
     if (T == 1) {  // into the output the plan keeps for this layer
-      if (!kept.defined() || kept.size(0) != N) kept = at::empty({N, l.heads * hd}, f32);
-      attention_step(proj, l.q_norm, l.k_norm, l.inner_eps, cos, sin, k_cache, v_cache, slots, start, scale, kept);
+      attention_step(proj, l.q_norm, l.k_norm, l.inner_eps, cos, sin, k_cache, v_cache, slots, start, scale,
+                     kept_rows(kept, N, l.heads * hd));
       return kept;
     }
     torch::Tensor o = at::empty({N, T, l.heads * hd}, f32), ot = at::empty({N, l.heads * hd}, f32);
