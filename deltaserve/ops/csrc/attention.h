@@ -14,7 +14,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <omp.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
@@ -263,8 +264,8 @@ inline float* out_row(float* out, int64_t n, int64_t t, int64_t h, int64_t T, in
 }
 
 template <typename C>
-void attend_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-                 torch::Tensor start, double scale, torch::Tensor out) {
+void attend_impl(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
+                 at::Tensor start, double scale, at::Tensor out) {
   Args<C> a{q.data_ptr<float>(), q.stride(0), q.stride(1), q.stride(2),
             k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -348,8 +349,8 @@ void attend_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, 
 // q float32 [N, T, nh, dk] (any strides, last dim contiguous); caches [S, L, nkv, d] float32 or float16
 // (same dtype; any strides, last dim contiguous: the values may be a slice of the keys' rows); slots, start
 // [N] int64. Query head h reads kv head h / (nh / nkv). The new tokens must be in the cache already.
-void attention_cached(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-                      torch::Tensor start, double scale, torch::Tensor out) {
+void attention_cached(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
+                      at::Tensor start, double scale, at::Tensor out) {
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4, "attention_cached: 4-D q and caches");
   TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && out.is_contiguous(),
               "attention_cached: float32 q and contiguous float32 out");

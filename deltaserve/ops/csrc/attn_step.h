@@ -7,7 +7,8 @@
 // four heads x 64 output columns held in registers across the tile. Elsewhere the plain loops below run.
 #pragma once
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cstdint>

@@ -18,7 +18,8 @@
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -178,7 +179,7 @@ inline void rows(const typename I::XT* x, int64_t M, const uint16_t* w, int64_t 
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // x [n] rounded to bfloat16 into `held` (torch's allocator: 64-byte aligned, so no activation load splits a cache line)
-inline const uint16_t* rounded(const float* x, int64_t n, torch::Tensor& held) {
+inline const uint16_t* rounded(const float* x, int64_t n, at::Tensor& held) {
   held = at::empty({n}, at::TensorOptions().dtype(at::kBFloat16));
   uint16_t* out = reinterpret_cast<uint16_t*>(held.data_ptr<at::BFloat16>());
   at::parallel_for(0, n, 1 << 14, [&](int64_t lo, int64_t hi) {
@@ -276,7 +277,7 @@ inline void product(const typename I::XT* xp, int64_t M, int64_t K, const uint16
 template <class F>
 inline void rounded_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
   // torch's allocator: 64-byte aligned, so no load of the packed x splits a cache line; pack_x writes all F reads
-  const torch::Tensor held = at::empty({F::x_size(M, K)}, at::TensorOptions().dtype(at::kBFloat16));
+  const at::Tensor held = at::empty({F::x_size(M, K)}, at::TensorOptions().dtype(at::kBFloat16));
   uint16_t* xp = reinterpret_cast<uint16_t*>(held.data_ptr<at::BFloat16>());
   F::pack_x(x, M, K, ldx, xp);
   panel_gemm<F>(xp, w, y, M, N, K);
@@ -286,7 +287,7 @@ inline void rounded_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, cons
 // y [M, N] = x [M, K] (float32, rows any distance apart) @ w [N, K]^T (bfloat16), float32 out; w and y contiguous.
 // round: x rounded to bfloat16 and vdpbf16ps, where the build has AVX512_BF16 (elsewhere float32 activations
 // regardless)
-inline void linear_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor y, bool round) {
+inline void linear_bf16(at::Tensor x, at::Tensor w, at::Tensor y, bool round) {
   check_rows(x, "linear_bf16");
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
               "linear_bf16: w must be bfloat16 [N, K], contiguous, K as x's");
@@ -311,7 +312,7 @@ inline void linear_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor y, bool 
   x = x.contiguous();  // decode: a few rows, each read as one run
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (round) {
-    torch::Tensor held;
+    at::Tensor held;
     return product<Dot>(rounded(x.data_ptr<float>(), M * K, held), M, K, wp, N, y.data_ptr<float>());
   }
 #endif

@@ -7,7 +7,8 @@
 // `tokenizers` model held 72: the token strings once (UTF-8 of the GPT-2 byte alphabet, as the GGUF stores them),
 // an open-addressing index of them, and one of the merges ((left, right) -> rank, merged token).
 #pragma once
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -38,8 +39,8 @@ class Vocabulary {
  public:
   // items[i] = data[starts[i] : ends[i]] for tokens and merges ("left right", split at the first space after the
   // first byte, as llama.cpp splits them)
-  Vocabulary(std::string_view tokens, torch::Tensor token_starts, torch::Tensor token_ends, std::string_view merges,
-             torch::Tensor merge_starts, torch::Tensor merge_ends, bool whole_pieces)
+  Vocabulary(std::string_view tokens, at::Tensor token_starts, at::Tensor token_ends, std::string_view merges,
+             at::Tensor merge_starts, at::Tensor merge_ends, bool whole_pieces)
       : whole_pieces_(whole_pieces) {
     const int64_t V = check_spans(token_starts, token_ends, tokens.size(), "token");
     const int64_t* s = token_starts.data_ptr<int64_t>();
@@ -101,12 +102,12 @@ class Vocabulary {
   int64_t bad_merge() const { return bad_merge_; }
 
   // the merges in rank order as (left, right) ids [M, 2] (a pair given twice: once, at its first rank)
-  torch::Tensor merge_pairs() const {
+  at::Tensor merge_pairs() const {
     std::vector<std::pair<uint32_t, uint64_t>> ranked;
     for (const Merge& m : merges_)
       if (m.key != kNoPair) ranked.emplace_back(m.rank, m.key);
     std::sort(ranked.begin(), ranked.end());
-    torch::Tensor out = torch::empty({static_cast<int64_t>(ranked.size()), 2}, torch::kInt64);
+    at::Tensor out = at::empty({static_cast<int64_t>(ranked.size()), 2}, at::kLong);
     int64_t* o = out.data_ptr<int64_t>();
     for (size_t r = 0; r < ranked.size(); ++r) o[2 * r] = ranked[r].second >> 32, o[2 * r + 1] = ranked[r].second & 0xFFFFFFFF;
     return out;
@@ -143,8 +144,8 @@ class Vocabulary {
 
   static uint64_t pair_key(int64_t a, int64_t b) { return static_cast<uint64_t>(a) << 32 | static_cast<uint64_t>(b); }
 
-  static int64_t check_spans(const torch::Tensor& starts, const torch::Tensor& ends, size_t bytes, const char* what) {
-    TORCH_CHECK(starts.dtype() == torch::kInt64 && ends.dtype() == torch::kInt64 && starts.is_contiguous() &&
+  static int64_t check_spans(const at::Tensor& starts, const at::Tensor& ends, size_t bytes, const char* what) {
+    TORCH_CHECK(starts.dtype() == at::kLong && ends.dtype() == at::kLong && starts.is_contiguous() &&
                     ends.is_contiguous() && starts.dim() == 1 && starts.sizes() == ends.sizes(),
                 what, " spans must be two contiguous int64 vectors of one length");
     const int64_t n = starts.numel();
@@ -233,7 +234,7 @@ class Vocabulary {
 
 inline void bind_bpe(py::module& m) {
   py::class_<Vocabulary>(m, "BpeVocabulary")
-      .def(py::init<std::string_view, torch::Tensor, torch::Tensor, std::string_view, torch::Tensor, torch::Tensor, bool>(),
+      .def(py::init<std::string_view, at::Tensor, at::Tensor, std::string_view, at::Tensor, at::Tensor, bool>(),
            "tokens, token starts, token ends, merges, merge starts, merge ends (bytes and int64 spans), whole_pieces")
       .def("__len__", &Vocabulary::size)
       .def("token", &Vocabulary::token_text, "token i's string as UTF-8 bytes")

@@ -2,7 +2,8 @@
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
@@ -108,8 +109,8 @@ inline void conv_rows(const float* xp, int64_t xs, const float* wsrc, int64_t W,
   });
 }
 
-void conv_forward(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor state,
-                  torch::Tensor cu_seqlens, torch::Tensor state_idx, torch::Tensor out, bool silu) {
+void conv_forward(at::Tensor x, at::Tensor weight, at::Tensor bias, at::Tensor state,
+                  at::Tensor cu_seqlens, at::Tensor state_idx, at::Tensor out, bool silu) {
   conv_rows(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), weight.size(1),
             bias.numel() ? bias.data_ptr<float>() : nullptr, state.data_ptr<float>(), cu_seqlens.data_ptr<int64_t>(),
             cu_seqlens.size(0) - 1, state_idx.numel() ? state_idx.data_ptr<int64_t>() : nullptr, out.data_ptr<float>(),

@@ -7,7 +7,9 @@
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+#include <ATen/core/grad_mode.h>
 
 #include <algorithm>
 #include <cmath>
@@ -293,12 +295,12 @@ void run_block(const Args& a, int64_t w0, int64_t w1, int64_t n, int64_t hv, int
 // x [B, T, heads, D] as the kernel reads it: float32 [..., tokens, heads, D], each token's heads x D
 // contiguous and the tokens one stride apart (stride(-3)). Slices of a projection's output pass as they
 // are; anything else becomes a float32 copy.
-inline torch::Tensor token_rows(const torch::Tensor& x) {
+inline at::Tensor token_rows(const at::Tensor& x) {
   const int64_t B = x.size(0), T = x.size(1), D = x.size(3);
   if (x.scalar_type() == at::kFloat && x.stride(3) == 1 && x.stride(2) == D &&
       (B == 1 || (T > 1 && x.stride(0) == T * x.stride(1))))
     return x;
-  torch::Tensor y = x.reshape({-1, x.size(2), D});  // a view wherever one stride per token exists
+  at::Tensor y = x.reshape({-1, x.size(2), D});  // a view wherever one stride per token exists
   if (y.scalar_type() != at::kFloat || y.stride(2) != 1 || y.stride(1) != D) y = y.to(at::kFloat).contiguous();
   return y;
 }
@@ -355,9 +357,9 @@ inline void gdr_apply(Args a) {
 // order ([1, T] when packed), sequence n at tokens cu[n] .. cu[n + 1]. state [S, HV, K, V] float32
 // contiguous, advanced in place: sequence n owns row state_idx[n] (row n when null). Writes out float32
 // contiguous [B, T, HV, V] and snaps [N, n_snaps, HV, K, V] (newest first; undefined or empty: none).
-void gdr_run(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
-             torch::Tensor state, const int64_t* cu, int64_t N, const int64_t* state_idx, torch::Tensor out,
-             torch::Tensor snaps, double scale, bool l2norm) {
+void gdr_run(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
+             at::Tensor state, const int64_t* cu, int64_t N, const int64_t* state_idx, at::Tensor out,
+             at::Tensor snaps, double scale, bool l2norm) {
   q = token_rows(q);
   k = token_rows(k);
   v = token_rows(v);
@@ -392,9 +394,9 @@ void gdr_run(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
 
 // The general entry (ops/fused.py, which allocates out and snaps): cu_seqlens [N + 1] int64, state_idx [N]
 // int64 or None.
-void gdr_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
-                 torch::Tensor state, torch::Tensor cu_seqlens, c10::optional<torch::Tensor> state_idx,
-                 torch::Tensor out, torch::Tensor snaps, double scale, bool l2norm) {
+void gdr_forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
+                 at::Tensor state, at::Tensor cu_seqlens, c10::optional<at::Tensor> state_idx,
+                 at::Tensor out, at::Tensor snaps, double scale, bool l2norm) {
   if (state_idx) state_idx = state_idx->contiguous();
   gdr_run(q, k, v, g, beta, state, cu_seqlens.data_ptr<int64_t>(), cu_seqlens.size(0) - 1,
           state_idx ? state_idx->data_ptr<int64_t>() : nullptr, out, snaps, scale, l2norm);
@@ -406,11 +408,11 @@ void gdr_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tenso
 // float32 contiguous [B, HV, K, V], or [S, HV, K, V] of which sequence n owns row state_idx[n] (int64 [B],
 // distinct rows in range), advanced in place. Returns out [B, T, HV, V], or None for any other call: the
 // caller then takes the general path, which runs it or names what is wrong.
-c10::optional<torch::Tensor> gdr_inplace(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
-                                         torch::Tensor beta, torch::Tensor state, c10::optional<torch::Tensor> state_idx,
+c10::optional<at::Tensor> gdr_inplace(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g,
+                                         at::Tensor beta, at::Tensor state, c10::optional<at::Tensor> state_idx,
                                          c10::optional<double> scale, bool l2norm) {
   const bool grad = at::GradMode::is_enabled();
-  for (const torch::Tensor* t : {&q, &k, &v, &g, &beta, &state})
+  for (const at::Tensor* t : {&q, &k, &v, &g, &beta, &state})
     if (!t->defined() || !t->device().is_cpu() || t->scalar_type() != at::kFloat || (grad && t->requires_grad()))
       return c10::nullopt;
   if (q.dim() != 4 || k.sizes() != q.sizes() || v.dim() != 4 || state.dim() != 4 || !state.is_contiguous())
@@ -422,7 +424,7 @@ c10::optional<torch::Tensor> gdr_inplace(torch::Tensor q, torch::Tensor k, torch
     return c10::nullopt;
   const int64_t* rows = nullptr;
   if (state_idx) {
-    const torch::Tensor& idx = *state_idx;
+    const at::Tensor& idx = *state_idx;
     if (!idx.device().is_cpu() || idx.scalar_type() != at::kLong || idx.dim() != 1 || idx.size(0) != B ||
         !idx.is_contiguous())
       return c10::nullopt;
@@ -437,9 +439,9 @@ c10::optional<torch::Tensor> gdr_inplace(torch::Tensor q, torch::Tensor k, torch
   }
   std::vector<int64_t> cu(B + 1);
   for (int64_t n = 0; n <= B; ++n) cu[n] = n * T;
-  // at::empty: torch::empty's autograd layer costs ~5 us
-  torch::Tensor out = at::empty(v.sizes(), at::TensorOptions().dtype(at::kFloat));
-  gdr_run(q, k, v, g, beta, state, cu.data(), B, rows, out, torch::Tensor(),
+  // at::empty: at::empty's autograd layer costs ~5 us
+  at::Tensor out = at::empty(v.sizes(), at::TensorOptions().dtype(at::kFloat));
+  gdr_run(q, k, v, g, beta, state, cu.data(), B, rows, out, at::Tensor(),
           scale ? *scale : 1.0 / std::sqrt(static_cast<double>(K)), l2norm);
   return out;
 }

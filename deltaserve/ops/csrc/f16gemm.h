@@ -8,7 +8,8 @@
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -236,21 +237,21 @@ struct Format {
 // bfloat16. The packed x (7 MB for 512 rows of 3,584) from torch's allocator: blocks.h's range once a model has loaded.
 template <bool BF16 = false>
 inline void gemm(const float* x, int64_t ldx, const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K) {
-  const torch::Tensor held = at::empty({(M + kMR - 1) / kMR * kMR * K}, at::kFloat);  // pack_x writes every value read
+  const at::Tensor held = at::empty({(M + kMR - 1) / kMR * kMR * K}, at::kFloat);  // pack_x writes every value read
   pack_x(x, M, K, ldx, held.data_ptr<float>());
   panel_gemm<Format<BF16>>(held.data_ptr<float>(), w, y, M, N, K);
 }
 
-inline void check_args(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& y) {
+inline void check_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& y) {
   check_rows(x, "linear_f16_gemm");
-  TORCH_CHECK(w.dtype() == torch::kFloat16 && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
+  TORCH_CHECK(w.dtype() == at::kHalf && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
               "w must be float16 [N, K] contiguous, K as x's");
-  TORCH_CHECK(y.dtype() == torch::kFloat32 && y.is_contiguous() && y.dim() == 2 && y.size(0) == x.size(0) &&
+  TORCH_CHECK(y.dtype() == at::kFloat && y.is_contiguous() && y.dim() == 2 && y.size(0) == x.size(0) &&
               y.size(1) == w.size(0), "y must be float32 [M, N] contiguous");
 }
 
 // y [M, N] = x [M, K] (float32) @ w [N, K]^T (float16), accumulated in float32: the GEMM above whatever M
-inline void linear_f16_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor y) {
+inline void linear_f16_gemm(at::Tensor x, at::Tensor w, at::Tensor y) {
   check_args(x, w, y);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), ldx = row_stride(x);
   if (M == 0 || N == 0) return;

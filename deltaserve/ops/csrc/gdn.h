@@ -3,7 +3,8 @@
 // state (q, k L2-normalised, scale K^-1/2) and RMSNorm(o) w silu(z): in a decode step these were ~30 small torch
 // ops and their Python per layer (a few hundred microseconds a token over a model), each now a C++ call on views.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <cmath>
 #include <vector>
@@ -24,11 +25,11 @@ namespace deltaserve {
 // states after each of the last `depth` tokens, newest first.
 // The parts run on the projection's rows through raw pointers: a decode step's views of q, k, v, z and its
 // gates as tensors had cost ~15 dispatcher calls a layer, each several microseconds between GEMVs (plan.h).
-torch::Tensor gdn_core_kept(torch::Tensor proj, torch::Tensor conv_weight, torch::Tensor conv_state, torch::Tensor slots,
-                            torch::Tensor A, torch::Tensor dt_bias, torch::Tensor ssm_state, torch::Tensor norm_weight,
-                            double eps, int64_t H, torch::Tensor tape, torch::Tensor snaps,
-                            torch::Tensor out = torch::Tensor()) {
-  auto f32 = [](const torch::Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(); };
+at::Tensor gdn_core_kept(at::Tensor proj, at::Tensor conv_weight, at::Tensor conv_state, at::Tensor slots,
+                            at::Tensor A, at::Tensor dt_bias, at::Tensor ssm_state, at::Tensor norm_weight,
+                            double eps, int64_t H, at::Tensor tape, at::Tensor snaps,
+                            at::Tensor out = at::Tensor()) {
+  auto f32 = [](const at::Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(); };
   TORCH_CHECK(f32(proj) && proj.dim() == 3 && f32(conv_weight) && f32(conv_state) && f32(ssm_state) && f32(A) &&
                   f32(dt_bias) && f32(norm_weight) && ssm_state.dim() == 4 && conv_state.dim() == 3,
               "gdn_core: float32 contiguous CPU tensors of the documented ranks");
@@ -77,7 +78,7 @@ torch::Tensor gdn_core_kept(torch::Tensor proj, torch::Tensor conv_weight, torch
     }
 
   const bool given = out.defined() && f32(out) && out.numel() == N * T * HV * V;
-  torch::Tensor o = given ? out : at::empty({N, T, HV * V}, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor o = given ? out : at::empty({N, T, HV * V}, at::TensorOptions().dtype(at::kFloat));
   Args a;
   a.q = pp, a.k = pp + H * K, a.v = pp + 2 * H * K, a.qs = a.ks = a.vs = D;  // each token's row of proj
   a.g = gp, a.beta_in = bp;
@@ -93,11 +94,11 @@ torch::Tensor gdn_core_kept(torch::Tensor proj, torch::Tensor conv_weight, torch
   return o;
 }
 
-torch::Tensor gdn_core(torch::Tensor proj, torch::Tensor conv_weight, torch::Tensor conv_state, torch::Tensor slots,
-                       torch::Tensor A, torch::Tensor dt_bias, torch::Tensor ssm_state, torch::Tensor norm_weight,
+at::Tensor gdn_core(at::Tensor proj, at::Tensor conv_weight, at::Tensor conv_state, at::Tensor slots,
+                       at::Tensor A, at::Tensor dt_bias, at::Tensor ssm_state, at::Tensor norm_weight,
                        double eps, int64_t H) {
   return gdn_core_kept(proj, conv_weight, conv_state, slots, A, dt_bias, ssm_state, norm_weight, eps, H,
-                       torch::Tensor(), torch::Tensor());
+                       at::Tensor(), at::Tensor());
 }
 
 }  // namespace deltaserve

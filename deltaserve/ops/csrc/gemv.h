@@ -2,7 +2,8 @@
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
@@ -167,7 +168,7 @@ void f16_rows(const uint16_t* wp, const float* xp, float* yp, int64_t K, int64_t
 // y [M, N] = x [M, K] (float32) @ w [N, K]^T (float16), accumulated in float32. For decode (M = a few
 // sequences) the weights stream from memory once, converted to float32 in registers: the activations are
 // never rounded to float16, so the result equals a float32 matmul with the float16 weights.
-void linear_f16(torch::Tensor x, torch::Tensor w, torch::Tensor y) {
+void linear_f16(at::Tensor x, at::Tensor w, at::Tensor y) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const float* xp = x.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::Half>());
@@ -194,7 +195,7 @@ void linear_f16(torch::Tensor x, torch::Tensor w, torch::Tensor y) {
 // and d float16 (one scale per 32 weights of a row, llama.cpp's Q8_0 block). For decode: the weights
 // stream from memory at 1.0625 bytes each and are widened in registers; the activations stay float32, so
 // the result equals a float32 matmul with the dequantised weights (up to summation order).
-void linear_q8(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor y) {
+void linear_q8(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor y) {
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), B = K / 32;
   const float* xp = x.data_ptr<float>();
   const int8_t* qp = q.data_ptr<int8_t>();

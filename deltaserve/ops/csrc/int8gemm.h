@@ -290,13 +290,13 @@ inline std::string int8_isa() {
 // opened into L1 and used at once; 32 above, opened into a per-thread buffer that stays in L2) multiplied by every
 // group of rows of x; there rows of 32-weight blocks take int8legacy_avx2.h's kernels, and (AVX2) K-quant prefill
 // int8ktile_avx2.h's tiles of 8 rows.
-inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor table, torch::Tensor y) {
+inline void linear_int8(at::Tensor x, at::Tensor bytes, at::Tensor table, at::Tensor y) {
   check_rows(x, "linear_int8");
-  TORCH_CHECK(bytes.dtype() == torch::kUInt8 && bytes.is_contiguous(), "packed bytes must be contiguous uint8");
+  TORCH_CHECK(bytes.dtype() == at::kByte && bytes.is_contiguous(), "packed bytes must be contiguous uint8");
   const int64_t M = x.size(0), K = x.size(1), nb = K / 256, ldx = row_stride(x);
   const Segments seg(table, K, bytes.numel());
   const int64_t N = seg.rows;
-  TORCH_CHECK(y.dtype() == torch::kFloat32 && y.is_contiguous() && y.size(0) == M && y.size(1) == N, "y must be float32 [M, N]");
+  TORCH_CHECK(y.dtype() == at::kFloat && y.is_contiguous() && y.size(0) == M && y.size(1) == N, "y must be float32 [M, N]");
   bool round32 = false, round256 = false;  // which roundings of x the segments read
   for (int64_t s = 0; s < seg.S; ++s) {
     TORCH_CHECK(int8_type(seg.type(s)), "linear_int8: GGML type ", seg.type(s), " has no integer kernel");
@@ -306,13 +306,13 @@ inline void linear_int8(torch::Tensor x, torch::Tensor bytes, torch::Tensor tabl
   // taken from torch's allocator (blocks.h once a model has loaded): from glibc's heap, these 1-4 MB buffers taken and
   // freed at every call grew it by 30 MB over prefills of 2,048 tokens, other allocations splitting their holes
   static thread_local std::vector<XBlock> decode_buf;
-  torch::Tensor prefill_buf;
+  at::Tensor prefill_buf;
   XBlock* xbuf;
   if (M <= kRows) {
     if (decode_buf.size() < static_cast<size_t>(M * nb)) decode_buf.resize(M * nb);
     xbuf = decode_buf.data();
   } else {  // 64-byte aligned, as XBlock asks
-    prefill_buf = torch::empty({M * nb * static_cast<int64_t>(sizeof(XBlock))}, torch::kUInt8);
+    prefill_buf = at::empty({M * nb * static_cast<int64_t>(sizeof(XBlock))}, at::kByte);
     xbuf = reinterpret_cast<XBlock*>(prefill_buf.data_ptr<uint8_t>());
   }
   const XBlock* xq = xbuf;

@@ -8,7 +8,8 @@
 // them with panel_gemv.h's panel_q40, prefill opens a panel with open_q40_panel.
 #pragma once
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <array>
 #include <cstdint>

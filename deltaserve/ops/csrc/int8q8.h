@@ -14,7 +14,8 @@
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
@@ -365,14 +366,14 @@ constexpr bool kQ8Int8 = kBlock32Avx2;  // int8legacy_avx2.h's kernels, or none 
 #endif
 
 // y [M, N] = x [M, K] (rounded per 32 to Q8_0) @ W^T, W int8 [N, K] with float16 scales [N, K / 32].
-inline void linear_q8_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor y) {
+inline void linear_q8_int8(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor y) {
   TORCH_CHECK(kQ8Int8, "linear_q8_int8 needs AVX-512 VNNI or AVX2");
   check_rows(x, "linear_q8_int8");
-  TORCH_CHECK(w.dtype() == torch::kInt8 && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1), "w must be int8 [N, K]");
+  TORCH_CHECK(w.dtype() == at::kChar && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1), "w must be int8 [N, K]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), ldx = row_stride(x);
   TORCH_CHECK(K % 32 == 0, "Q8_0 rows must be whole blocks of 32, got ", K);
-  TORCH_CHECK(scale.dtype() == torch::kFloat16 && scale.is_contiguous() && scale.numel() == N * (K / 32), "scale must be float16 [N, K / 32]");
-  TORCH_CHECK(y.dtype() == torch::kFloat32 && y.is_contiguous() && y.size(0) == M && y.size(1) == N, "y must be float32 [M, N]");
+  TORCH_CHECK(scale.dtype() == at::kHalf && scale.is_contiguous() && scale.numel() == N * (K / 32), "scale must be float16 [N, K / 32]");
+  TORCH_CHECK(y.dtype() == at::kFloat && y.is_contiguous() && y.size(0) == M && y.size(1) == N, "y must be float32 [M, N]");
 #if defined(__AVX2__) || (defined(__AVX512VNNI__) && defined(__AVX512BW__))
   static thread_local Q8Acts decode_acts;  // reused: decode calls are many and small
   Q8Acts prefill_acts;

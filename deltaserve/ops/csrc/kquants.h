@@ -8,7 +8,8 @@
 // table [S, 4]: (GGML type id, first row, end row, byte offset of the first row), rows in order.
 #pragma once
 #include <c10/util/Half.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
 #include <cstring>
@@ -272,7 +273,7 @@ struct Segments {
   const int64_t* t;  // [S, 5]: type, first row, end row, byte offset, panel rows (16: row panels, see panels.h; 0)
   int64_t S, rows;
 
-  Segments(const torch::Tensor& table, int64_t K, int64_t nbytes)
+  Segments(const at::Tensor& table, int64_t K, int64_t nbytes)
       : t(table.data_ptr<int64_t>()), S(table.size(0)), rows(S ? t[kCols * (S - 1) + 2] : 0) {
     TORCH_CHECK(table.dim() == 2 && table.size(1) == kCols && table.is_contiguous(), "segment table must be [S, 5]");
     for (int64_t s = 0; s < S; ++s) {

@@ -3,7 +3,8 @@
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
@@ -23,11 +24,11 @@ inline int32_t float_order(uint32_t bits) {
   return k ^ ((k >> 31) & 0x7fffffff);  // negative floats: larger magnitudes lower
 }
 
-inline torch::Tensor argmax_rows(const torch::Tensor& x) {
+inline at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) >= 1 && x.is_contiguous(),
               "argmax_rows: x must be float32 [M, N >= 1] contiguous");
   const int64_t M = x.size(0), N = x.size(1);
-  torch::Tensor out = at::empty({M}, at::TensorOptions().dtype(at::kLong));
+  at::Tensor out = at::empty({M}, at::TensorOptions().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
   for (int64_t m = 0; m < M; ++m) {
     const uint32_t* bits = reinterpret_cast<const uint32_t*>(x.data_ptr<float>()) + m * N;
@@ -95,7 +96,7 @@ inline void rms_norm_raw(const float* xp, const float* wp, float* op, const floa
   });
 }
 
-void rms_norm(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor out, torch::Tensor gate, int64_t act) {
+void rms_norm(at::Tensor x, at::Tensor w, double eps, at::Tensor out, at::Tensor gate, int64_t act) {
   const int64_t D = w.numel(), M = D ? x.numel() / D : 0;
   const float* gp = gate.numel() ? gate.data_ptr<float>() : nullptr;
   rms_norm_raw(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), gp, M, D, eps, gp ? gate.size(1) : 1,
@@ -114,7 +115,7 @@ void rms_norm(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor out, t
   }
 }
 
-void silu_mul(torch::Tensor x, torch::Tensor out) {
+void silu_mul(at::Tensor x, at::Tensor out) {
   const int64_t M = out.size(0), I = out.size(1), xs = x.stride(0), os = out.stride(0);
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -141,8 +142,8 @@ inline void norm_rope(float* x, const float* w, float eps, const float* cos, con
 // Prefill of gated attention: per row of proj [M, ...] (rows any stride apart), RMSNorm and rope of the nh
 // query heads at column 0 and the nkv key heads at column k0 (hd = q_norm.numel() each), in place; cos, sin
 // [M, rot]. One call instead of the ~12 ops (and their [M, heads, hd] temporaries) of the torch expression.
-void norm_rope_rows(torch::Tensor proj, torch::Tensor q_norm, torch::Tensor k_norm, double eps, torch::Tensor cos,
-                    torch::Tensor sin, int64_t nh, int64_t nkv, int64_t k0) {
+void norm_rope_rows(at::Tensor proj, at::Tensor q_norm, at::Tensor k_norm, double eps, at::Tensor cos,
+                    at::Tensor sin, int64_t nh, int64_t nkv, int64_t k0) {
   const int64_t M = proj.size(0), hd = q_norm.numel(), rot = cos.size(1), ps = proj.stride(0);
   float* pp = proj.data_ptr<float>();
   const float *qw = q_norm.data_ptr<float>(), *kw = k_norm.data_ptr<float>();
@@ -179,9 +180,9 @@ inline void store_row(const float* x, at::Half* dst, int64_t n) {
 // the group of query heads. The new token's key and value are read back from the cache like the others, so
 // a float16 cache rounds them as the prefill path (which attends over the cache) does.
 template <typename CacheT>
-void attention_step_impl(torch::Tensor proj, torch::Tensor q_norm, torch::Tensor k_norm, double eps,
-                         torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                         torch::Tensor slots, torch::Tensor pos, double scale, torch::Tensor out) {
+void attention_step_impl(at::Tensor proj, at::Tensor q_norm, at::Tensor k_norm, double eps,
+                         at::Tensor cos, at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
+                         at::Tensor slots, at::Tensor pos, double scale, at::Tensor out) {
   const int64_t M = out.size(0), hd = q_norm.numel(), nh = out.size(1) / hd, nkv = k_cache.size(2);
   const int64_t L = k_cache.size(1), rot = cos.size(1), group = nh / nkv, ps = proj.stride(0);
   const float* pp = proj.data_ptr<float>();
@@ -233,9 +234,9 @@ void attention_step_impl(torch::Tensor proj, torch::Tensor q_norm, torch::Tensor
   });
 }
 
-void attention_step(torch::Tensor proj, torch::Tensor q_norm, torch::Tensor k_norm, double eps, torch::Tensor cos,
-                    torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-                    torch::Tensor pos, double scale, torch::Tensor out) {
+void attention_step(at::Tensor proj, at::Tensor q_norm, at::Tensor k_norm, double eps, at::Tensor cos,
+                    at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
+                    at::Tensor pos, double scale, at::Tensor out) {
   if (k_cache.scalar_type() == at::kHalf)
     attention_step_impl<at::Half>(proj, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, slots, pos, scale, out);
   else

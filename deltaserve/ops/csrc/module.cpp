@@ -31,19 +31,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdr_forward", &deltaserve::gdr_forward, "fused gated delta rule (CPU, float32)");
   m.def("gdr_inplace", &deltaserve::gdr_inplace, "the common in-place call, checked in C++; None for any other");
   m.def("gdn_core", &deltaserve::gdn_core, "a GDN layer's conv, gates, delta rule and gated norm at inference (CPU)");
-  m.def("gdn_core_kept", [](torch::Tensor proj, torch::Tensor conv_weight, torch::Tensor conv_state, torch::Tensor slots,
-                            torch::Tensor A, torch::Tensor dt_bias, torch::Tensor ssm_state, torch::Tensor norm_weight,
-                            double eps, int64_t H, torch::Tensor tape, torch::Tensor snaps) {
+  m.def("gdn_core_kept", [](at::Tensor proj, at::Tensor conv_weight, at::Tensor conv_state, at::Tensor slots,
+                            at::Tensor A, at::Tensor dt_bias, at::Tensor ssm_state, at::Tensor norm_weight,
+                            double eps, int64_t H, at::Tensor tape, at::Tensor snaps) {
           return deltaserve::gdn_core_kept(proj, conv_weight, conv_state, slots, A, dt_bias, ssm_state, norm_weight, eps, H,
                                            tape, snaps);
         }, "gdn_core keeping the conv tape and delta-rule states (CPU)");
   m.def("conv_forward", &deltaserve::conv_forward, "short causal depthwise conv with state (CPU, float32)");
   m.def("linear_f16", &deltaserve::linear_f16, "float32 activations times float16 weights, decode GEMV (CPU)");
-  m.def("linear_f16_shares", [](torch::Tensor x, torch::Tensor w, torch::Tensor y) {
+  m.def("linear_f16_shares", [](at::Tensor x, at::Tensor w, at::Tensor y) {
           return deltaserve::timed_shares([&] { deltaserve::linear_f16(x, w, y); });
         }, "linear_f16, each thread's share timed (bench)");
   m.def("linear_f16_gemm", &deltaserve::f16::linear_f16_gemm, "float32 activations times float16 weights, prefill GEMM (CPU)");
-  m.def("linear_f16_gemm_shares", [](torch::Tensor x, torch::Tensor w, torch::Tensor y) {
+  m.def("linear_f16_gemm_shares", [](at::Tensor x, at::Tensor w, at::Tensor y) {
           return deltaserve::timed_shares([&] { deltaserve::f16::linear_f16_gemm(x, w, y); });
         }, "linear_f16_gemm with each thread's (outputs, seconds) of its fastest unit, for the benchmark");
   m.def("rms_norm", &deltaserve::rms_norm, "RMSNorm over the last dim, optionally gated (CPU, float32)");
@@ -56,10 +56,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_int8", [] { return deltaserve::q8::kQ8Int8; }, "whether this build has the Q8_0 integer kernels");
   m.def("linear_packed", &deltaserve::kq::linear_packed, "float32 activations times packed GGML blocks (CPU)");
   m.def("linear_int8", &deltaserve::kq::linear_int8, "activations rounded to int8 per 256 times K-quant blocks (CPU)");
-  m.def("linear_int8_shares", [](torch::Tensor x, torch::Tensor bytes, torch::Tensor table, torch::Tensor y) {
+  m.def("linear_int8_shares", [](at::Tensor x, at::Tensor bytes, at::Tensor table, at::Tensor y) {
           return deltaserve::timed_shares([&] { deltaserve::kq::linear_int8(x, bytes, table, y); });
         }, "linear_int8 with each thread's (rows, seconds) of its share, for the benchmark");
-  m.def("linear_q8_int8_shares", [](torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor y) {
+  m.def("linear_q8_int8_shares", [](at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor y) {
           return deltaserve::timed_shares([&] { deltaserve::q8::linear_q8_int8(x, w, scale, y); });
         }, "linear_q8_int8 with each thread's (rows, seconds) of its share, for the benchmark");
   m.def("int8_isa", &deltaserve::kq::int8_isa, "the instructions of the integer kernels in this build");
@@ -89,7 +89,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("read_sum", &deltaserve::read_sum, "the sum of a uint8 buffer's bytes, read once on all threads (a timed pass)");
   m.def("linear_bf16", &deltaserve::bf16::linear_bf16,
         "float32 activations (rounded to bfloat16 where asked and AVX512_BF16 is built) times bfloat16 weights (CPU)");
-  m.def("linear_bf16_shares", [](torch::Tensor x, torch::Tensor w, torch::Tensor y, bool round) {
+  m.def("linear_bf16_shares", [](at::Tensor x, at::Tensor w, at::Tensor y, bool round) {
           return deltaserve::timed_shares([&] { deltaserve::bf16::linear_bf16(x, w, y, round); });
         }, "linear_bf16 with each thread's (rows, seconds) of its share, for the benchmark");
   m.def("bf16_isa", &deltaserve::bf16::isa, "the instructions of the bf16 kernels in this build");

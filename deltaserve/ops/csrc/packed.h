@@ -6,7 +6,8 @@
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <vector>
@@ -173,13 +174,13 @@ inline std::vector<float> interleave(const float* x, int64_t M, int64_t K) {
 }
 
 // y [M, N] = x [M, K] @ W^T for a packed W (bytes + segment table, see kquants.h); x, y float32 contiguous.
-void linear_packed(torch::Tensor x, torch::Tensor bytes, torch::Tensor table, torch::Tensor y) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be float32 [M, K] contiguous");
-  TORCH_CHECK(bytes.dtype() == torch::kUInt8 && bytes.is_contiguous(), "packed bytes must be contiguous uint8");
+void linear_packed(at::Tensor x, at::Tensor bytes, at::Tensor table, at::Tensor y) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x must be float32 [M, K] contiguous");
+  TORCH_CHECK(bytes.dtype() == at::kByte && bytes.is_contiguous(), "packed bytes must be contiguous uint8");
   const int64_t M = x.size(0), K = x.size(1);
   const Segments seg(table, K, bytes.numel());
   const int64_t N = seg.rows;
-  TORCH_CHECK(y.dtype() == torch::kFloat32 && y.is_contiguous() && y.size(0) == M && y.size(1) == N, "y must be float32 [M, N]");
+  TORCH_CHECK(y.dtype() == at::kFloat && y.is_contiguous() && y.size(0) == M && y.size(1) == N, "y must be float32 [M, N]");
   const uint8_t* base = bytes.data_ptr<uint8_t>();
   const std::vector<float> xi = interleave(x.data_ptr<float>(), M, K);
   const float* xp = xi.data();
@@ -205,10 +206,10 @@ void linear_packed(torch::Tensor x, torch::Tensor bytes, torch::Tensor table, to
 }
 
 // out [R, K] float32 = rows `ids` (int64 [R]) of the packed matrix (uint8 bytes, segment table), exactly.
-void packed_rows(torch::Tensor bytes, torch::Tensor table, int64_t K, torch::Tensor ids, torch::Tensor out) {
-  TORCH_CHECK(bytes.dtype() == torch::kUInt8 && bytes.is_contiguous(), "packed bytes must be contiguous uint8");
-  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.is_contiguous() && out.size(-1) == K, "out must be [R, K] float32");
-  TORCH_CHECK(ids.dtype() == torch::kInt64 && ids.is_contiguous() && out.numel() == ids.numel() * K, "ids must be int64 [R]");
+void packed_rows(at::Tensor bytes, at::Tensor table, int64_t K, at::Tensor ids, at::Tensor out) {
+  TORCH_CHECK(bytes.dtype() == at::kByte && bytes.is_contiguous(), "packed bytes must be contiguous uint8");
+  TORCH_CHECK(out.dtype() == at::kFloat && out.is_contiguous() && out.size(-1) == K, "out must be [R, K] float32");
+  TORCH_CHECK(ids.dtype() == at::kLong && ids.is_contiguous() && out.numel() == ids.numel() * K, "ids must be int64 [R]");
   const Segments seg(table, K, bytes.numel());
   const uint8_t* base = bytes.data_ptr<uint8_t>();
   const int64_t* ip = ids.data_ptr<int64_t>();

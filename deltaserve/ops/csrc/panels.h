@@ -177,8 +177,8 @@ inline const uint8_t* native_row(const Segments& seg, const uint8_t* base, int64
 }
 
 // The bytes of a packed matrix (segment table with its panel flags) rearranged into its panels, in place.
-inline void to_panels(torch::Tensor bytes, torch::Tensor table, int64_t K) {
-  TORCH_CHECK(bytes.dtype() == torch::kUInt8 && bytes.is_contiguous(), "packed bytes must be contiguous uint8");
+inline void to_panels(at::Tensor bytes, at::Tensor table, int64_t K) {
+  TORCH_CHECK(bytes.dtype() == at::kByte && bytes.is_contiguous(), "packed bytes must be contiguous uint8");
   const Segments seg(table, K, bytes.numel());
   uint8_t* base = bytes.data_ptr<uint8_t>();
   for (int64_t s = 0; s < seg.S; ++s) {

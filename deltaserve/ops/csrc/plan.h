@@ -7,7 +7,8 @@
 // below the model's MTP layer.
 #pragma once
 #include <pybind11/stl.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <cmath>
 #include <optional>
@@ -28,7 +29,7 @@ namespace deltaserve {
 // buf as float32 [rows, width], allocated only where it is not that size already: a decode step's plan keeps its
 // outputs from step to step, since each torch op between the kernels costs microseconds there (the dispatcher's code
 // and data evicted by the weights streaming through the caches)
-inline torch::Tensor& kept_rows(torch::Tensor& buf, int64_t rows, int64_t width) {
+inline at::Tensor& kept_rows(at::Tensor& buf, int64_t rows, int64_t width) {
   if (!buf.defined() || buf.size(0) != rows) buf = at::empty({rows, width}, at::TensorOptions().dtype(at::kFloat));
   return buf;
 }
@@ -37,24 +38,24 @@ inline torch::Tensor& kept_rows(torch::Tensor& buf, int64_t rows, int64_t width)
 struct LinearRef {
   enum Kind : int64_t { kInt8Packed = 0, kQ8 = 1, kF16 = 2, kF32 = 3, kPacked = 4, kBF16 = 5, kBF16Float = 6 };
   int64_t kind;
-  torch::Tensor w, aux, x_index;  // aux: the segment table (packed) or the scales (Q8_0); x_index: gather x first
+  at::Tensor w, aux, x_index;  // aux: the segment table (packed) or the scales (Q8_0); x_index: gather x first
   int64_t N, K;
 
-  LinearRef(int64_t kind, torch::Tensor w, torch::Tensor aux, torch::Tensor x_index, int64_t N, int64_t K)
+  LinearRef(int64_t kind, at::Tensor w, at::Tensor aux, at::Tensor x_index, int64_t N, int64_t K)
       : kind(kind), w(w), aux(aux), x_index(x_index), N(N), K(K) {
     TORCH_CHECK(kind >= 0 && kind <= 6, "LinearRef: unknown kind ", kind);
   }
 
-  torch::Tensor operator()(torch::Tensor x) const {
-    torch::Tensor y;
+  at::Tensor operator()(at::Tensor x) const {
+    at::Tensor y;
     return into(x, y);
   }
 
   // the product in `out`, kept where it is float32 [M, N] already (kept_rows)
-  torch::Tensor into(torch::Tensor x, torch::Tensor& out) const {
+  at::Tensor into(at::Tensor x, at::Tensor& out) const {
     if (x_index.numel()) x = x.index_select(1, x_index);
     if (kind != kF32) x = x.contiguous();  // (torch's GEMM takes rows apart, as F.linear passes them)
-    torch::Tensor& y = kept_rows(out, x.size(0), N);
+    at::Tensor& y = kept_rows(out, x.size(0), N);
     switch (kind) {
       case kInt8Packed: kq::linear_int8(x, w, aux, y); break;
       case kQ8: q8::linear_q8_int8(x, w, aux, y); break;
@@ -93,7 +94,7 @@ struct FeedForward {
   }
 
   // x [M, E] float32 -> [M, E]; an MLP's intermediates and output in `kept` (LinearRef::into)
-  torch::Tensor operator()(const torch::Tensor& x, torch::Tensor* kept = nullptr) const {
+  at::Tensor operator()(const at::Tensor& x, at::Tensor* kept = nullptr) const {
     if (!router) return swiglu(gate_up[0], down[0], x, true, kept);
     const int64_t M = x.size(0), k = top_k;
     auto [weights, ids] = (*router)(x).softmax(-1).topk(k, -1);
@@ -105,8 +106,8 @@ struct FeedForward {
       TORCH_CHECK(id[a] >= 0 && id[a] < static_cast<int64_t>(picks.size()), "FeedForward: expert ", id[a]);
       picks[id[a]].push_back(a);
     }
-    torch::Tensor out = at::zeros_like(x);
-    const torch::Tensor flat = weights.view({-1});
+    at::Tensor out = at::zeros_like(x);
+    const at::Tensor flat = weights.view({-1});
     const auto i64 = at::TensorOptions().dtype(at::kLong);
     for (size_t e = 0; e < picks.size(); ++e) {
       if (picks[e].empty()) continue;
@@ -115,9 +116,9 @@ struct FeedForward {
         out.add_(swiglu(gate_up[e], down[e], x, false).mul_(flat[picks[e][0]]));
         continue;
       }
-      const torch::Tensor assigned = torch::from_blob(picks[e].data(), {n}, i64);
-      const torch::Tensor rows = assigned.div(k, "floor");
-      const torch::Tensor y = swiglu(gate_up[e], down[e], x.index_select(0, rows), false);
+      const at::Tensor assigned = at::from_blob(picks[e].data(), {n}, i64);
+      const at::Tensor rows = assigned.div(k, "floor");
+      const at::Tensor y = swiglu(gate_up[e], down[e], x.index_select(0, rows), false);
       out.index_add_(0, rows, y.mul_(flat.index_select(0, assigned).unsqueeze(1)));
     }
     if (shared_gate) out.add_(swiglu(*shared_up, *shared_down, x, true).mul_((*shared_gate)(x).sigmoid_()));
@@ -126,13 +127,13 @@ struct FeedForward {
 
   // down(silu(gate) * up) of x [M, E]. in_place (as an MLP module runs): the product over the gate half of gate_up's
   // output, which the down projection then reads rows 2I apart (a float32 GEMM's sums depend on that stride)
-  static torch::Tensor swiglu(const LinearRef& gate_up, const LinearRef& down, const torch::Tensor& x, bool in_place,
-                              torch::Tensor* kept = nullptr) {
-    torch::Tensor local[2];
-    torch::Tensor* buf = kept ? kept : local;
-    const torch::Tensor g = gate_up.into(x, buf[0]);
+  static at::Tensor swiglu(const LinearRef& gate_up, const LinearRef& down, const at::Tensor& x, bool in_place,
+                              at::Tensor* kept = nullptr) {
+    at::Tensor local[2];
+    at::Tensor* buf = kept ? kept : local;
+    const at::Tensor g = gate_up.into(x, buf[0]);
     const int64_t I = g.size(1) / 2;
-    torch::Tensor act = in_place ? g.narrow(1, 0, I) : at::empty({x.size(0), I}, at::TensorOptions().dtype(at::kFloat));
+    at::Tensor act = in_place ? g.narrow(1, 0, I) : at::empty({x.size(0), I}, at::TensorOptions().dtype(at::kFloat));
     silu_mul(g, act);
     return down.into(act, buf[1]);
   }
@@ -140,48 +141,48 @@ struct FeedForward {
 
 struct LayerPlan {
   bool attention;
-  torch::Tensor input_norm, post_norm;
+  at::Tensor input_norm, post_norm;
   double eps;
   LinearRef in, out;
   FeedForward ffn;
-  torch::Tensor conv_weight, A, dt_bias, norm, q_norm, k_norm;  // GDN: the first four; attention: the last two
+  at::Tensor conv_weight, A, dt_bias, norm, q_norm, k_norm;  // GDN: the first four; attention: the last two
   double inner_eps;                                            // GDN output norm / attention q, k norms
   int64_t heads;                                               // GDN key heads / attention query heads
 };
 
 class DecodePlan {
  public:
-  void add_gdn(torch::Tensor input_norm, torch::Tensor post_norm, double eps, const LinearRef& in, const LinearRef& out,
-               const FeedForward& ffn, torch::Tensor conv_weight, torch::Tensor A,
-               torch::Tensor dt_bias, torch::Tensor norm, double norm_eps, int64_t key_heads) {
+  void add_gdn(at::Tensor input_norm, at::Tensor post_norm, double eps, const LinearRef& in, const LinearRef& out,
+               const FeedForward& ffn, at::Tensor conv_weight, at::Tensor A,
+               at::Tensor dt_bias, at::Tensor norm, double norm_eps, int64_t key_heads) {
     layers_.push_back({false, input_norm, post_norm, eps, in, out, ffn, conv_weight, A, dt_bias, norm,
-                       torch::Tensor(), torch::Tensor(), norm_eps, key_heads});
+                       at::Tensor(), at::Tensor(), norm_eps, key_heads});
   }
 
-  void add_attention(torch::Tensor input_norm, torch::Tensor post_norm, double eps, const LinearRef& qkv,
-                     const LinearRef& o, const FeedForward& ffn, torch::Tensor q_norm,
-                     torch::Tensor k_norm, double qk_eps, int64_t heads) {
-    layers_.push_back({true, input_norm, post_norm, eps, qkv, o, ffn, torch::Tensor(), torch::Tensor(),
-                       torch::Tensor(), torch::Tensor(), q_norm, k_norm, qk_eps, heads});
+  void add_attention(at::Tensor input_norm, at::Tensor post_norm, double eps, const LinearRef& qkv,
+                     const LinearRef& o, const FeedForward& ffn, at::Tensor q_norm,
+                     at::Tensor k_norm, double qk_eps, int64_t heads) {
+    layers_.push_back({true, input_norm, post_norm, eps, qkv, o, ffn, at::Tensor(), at::Tensor(),
+                       at::Tensor(), at::Tensor(), q_norm, k_norm, qk_eps, heads});
   }
 
   // h [N, E] float32 (one token per sequence), advanced through every layer in place and returned; sequence n in
   // cache row slots[n] at position start[n]; cos, sin [N, rot]; caches per layer (undefined where the layer has none)
-  torch::Tensor step(torch::Tensor h, torch::Tensor slots, torch::Tensor start, torch::Tensor cos, torch::Tensor sin,
-                     const std::vector<torch::Tensor>& conv, const std::vector<torch::Tensor>& ssm,
-                     const std::vector<torch::Tensor>& k_cache, const std::vector<torch::Tensor>& v_cache) {
+  at::Tensor step(at::Tensor h, at::Tensor slots, at::Tensor start, at::Tensor cos, at::Tensor sin,
+                     const std::vector<at::Tensor>& conv, const std::vector<at::Tensor>& ssm,
+                     const std::vector<at::Tensor>& k_cache, const std::vector<at::Tensor>& v_cache) {
     return run(h, 1, slots, start, cos, sin, conv, ssm, k_cache, v_cache, 0, nullptr, nullptr);
   }
 
   // A verify pass: h [N * T, E], T tokens per sequence (token t of sequence n in row n T + t, at position
   // start[n] + t), cos, sin [N * T, rot]. Also keeps what rollback reads, per layer (None on attention layers):
   // the conv tape [N, W-1+T, C] and the delta-rule states after each of the last `depth` tokens [N, depth, HV, K, V].
-  std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>> verify(
-      torch::Tensor h, int64_t T, torch::Tensor slots, torch::Tensor start, torch::Tensor cos, torch::Tensor sin,
-      const std::vector<torch::Tensor>& conv, const std::vector<torch::Tensor>& ssm,
-      const std::vector<torch::Tensor>& k_cache, const std::vector<torch::Tensor>& v_cache, int64_t depth) {
+  std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> verify(
+      at::Tensor h, int64_t T, at::Tensor slots, at::Tensor start, at::Tensor cos, at::Tensor sin,
+      const std::vector<at::Tensor>& conv, const std::vector<at::Tensor>& ssm,
+      const std::vector<at::Tensor>& k_cache, const std::vector<at::Tensor>& v_cache, int64_t depth) {
     TORCH_CHECK(T >= 1 && depth >= 1, "DecodePlan.verify: T and depth must be >= 1");
-    std::vector<torch::Tensor> tapes(layers_.size()), snaps(layers_.size());
+    std::vector<at::Tensor> tapes(layers_.size()), snaps(layers_.size());
     h = run(h, T, slots, start, cos, sin, conv, ssm, k_cache, v_cache, depth, &tapes, &snaps);
     return {h, tapes, snaps};
   }
@@ -189,15 +190,15 @@ class DecodePlan {
   // Only the keys and values of h [N * T, E] (T tokens per sequence from start[n]; cos, sin [N * T, rot]) into the
   // caches of the plan's first layer, an attention layer: the MTP layer following a trunk pass, where nothing of
   // its output is used.
-  void write_kv(torch::Tensor h, int64_t T, torch::Tensor slots, torch::Tensor start, torch::Tensor cos,
-                torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache) {
+  void write_kv(at::Tensor h, int64_t T, at::Tensor slots, at::Tensor start, at::Tensor cos,
+                at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache) {
     TORCH_CHECK(!layers_.empty() && layers_[0].attention, "DecodePlan.write_kv: the first layer must be attention");
     TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous() && T >= 1 && h.size(0) % T == 0,
                 "DecodePlan.write_kv: h must be float32 [N * T, E]");
     const LayerPlan& l = layers_[0];
-    torch::Tensor x = at::empty_like(h);
+    at::Tensor x = at::empty_like(h);
     rms_norm(h, l.input_norm, l.eps, x, at::empty({0}, at::TensorOptions().dtype(at::kFloat)), 0);
-    const torch::Tensor proj = l.in(x);
+    const at::Tensor proj = l.in(x);
     const int64_t hd = l.q_norm.numel(), nkv = k_cache.size(2);
     norm_rope_rows(proj, l.q_norm, l.k_norm, l.inner_eps, cos, sin, 0, nkv, 2 * l.heads * hd);  // the keys only
     store_kv(l, proj, h.size(0) / T, T, k_cache, v_cache, slots, start);
@@ -209,14 +210,14 @@ class DecodePlan {
   std::vector<LayerPlan> layers_;
   // each layer's projections' outputs, kept from call to call (LinearRef::into): one call at a time per plan
   struct Kept {
-    torch::Tensor in, mixer, out, ffn[2];  // mixer: the attention's or Gated DeltaNet's output, out's input
+    at::Tensor in, mixer, out, ffn[2];  // mixer: the attention's or Gated DeltaNet's output, out's input
   };
   std::vector<Kept> kept_;
 
-  torch::Tensor run(torch::Tensor h, int64_t T, torch::Tensor slots, torch::Tensor start, torch::Tensor cos,
-                    torch::Tensor sin, const std::vector<torch::Tensor>& conv, const std::vector<torch::Tensor>& ssm,
-                    const std::vector<torch::Tensor>& k_cache, const std::vector<torch::Tensor>& v_cache, int64_t depth,
-                    std::vector<torch::Tensor>* tapes, std::vector<torch::Tensor>* snaps) {
+  at::Tensor run(at::Tensor h, int64_t T, at::Tensor slots, at::Tensor start, at::Tensor cos,
+                    at::Tensor sin, const std::vector<at::Tensor>& conv, const std::vector<at::Tensor>& ssm,
+                    const std::vector<at::Tensor>& k_cache, const std::vector<at::Tensor>& v_cache, int64_t depth,
+                    std::vector<at::Tensor>* tapes, std::vector<at::Tensor>* snaps) {
     const size_t L = layers_.size();
     TORCH_CHECK(conv.size() == L && ssm.size() == L && k_cache.size() == L && v_cache.size() == L,
                 "DecodePlan.step: one cache entry per layer");
@@ -224,22 +225,22 @@ class DecodePlan {
                 "DecodePlan.step: h must be float32 [N * T, E]");
     const int64_t M = h.size(0), N = M / T;
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
-    const torch::Tensor none = at::empty({0}, f32);
-    torch::Tensor x = at::empty_like(h);
+    const at::Tensor none = at::empty({0}, f32);
+    at::Tensor x = at::empty_like(h);
     kept_.resize(L);
     for (size_t i = 0; i < L; ++i) {
       const LayerPlan& l = layers_[i];
       Kept& bufs = kept_[i];
       rms_norm(h, l.input_norm, l.eps, x, none, 0);
-      const torch::Tensor proj = l.in.into(x, bufs.in);
-      torch::Tensor mixed;
+      const at::Tensor proj = l.in.into(x, bufs.in);
+      at::Tensor mixed;
       if (l.attention && T <= kStepTokens) {
         mixed = l.out.into(attention_steps(l, proj, N, T, cos, sin, k_cache[i], v_cache[i], slots, start, bufs.mixer),
                            bufs.out);
       } else if (l.attention) {
         mixed = l.out.into(attention_tokens(l, proj, N, T, cos, sin, k_cache[i], v_cache[i], slots, start), bufs.out);
       } else {
-        torch::Tensor tape, kept;
+        at::Tensor tape, kept;
         if (tapes) {
           const int64_t C = l.conv_weight.size(0), HV = ssm[i].size(1);
           tape = (*tapes)[i] = at::empty({N, conv[i].size(1) + T, C}, f32);
@@ -257,7 +258,7 @@ class DecodePlan {
   }
 
   // h += y, both float32 [M, E] contiguous (without the dispatcher and TensorIterator of h.add_: see LinearRef::into)
-  static void add_rows(torch::Tensor& h, const torch::Tensor& y) {
+  static void add_rows(at::Tensor& h, const at::Tensor& y) {
     TORCH_CHECK(y.is_contiguous() && y.numel() == h.numel(), "DecodePlan: a layer's output must match h");
     float* hp = h.data_ptr<float>();
     const float* yp = y.data_ptr<float>();
@@ -265,13 +266,13 @@ class DecodePlan {
   }
 
   // The keys and values of proj [N T, D] (keys normed and rotated) into cache rows slots[n] from start[n].
-  static void store_kv(const LayerPlan& l, const torch::Tensor& proj, int64_t N, int64_t T, torch::Tensor k_cache,
-                       torch::Tensor v_cache, torch::Tensor slots, torch::Tensor start) {
+  static void store_kv(const LayerPlan& l, const at::Tensor& proj, int64_t N, int64_t T, at::Tensor k_cache,
+                       at::Tensor v_cache, at::Tensor slots, at::Tensor start) {
     const int64_t hd = l.q_norm.numel(), nh = l.heads, nkv = k_cache.size(2);
     TORCH_CHECK(proj.size(1) == (2 * nh + 2 * nkv) * hd, "DecodePlan: attention projection width");
-    const torch::Tensor rows = proj.view({N, T, proj.size(1)});
-    const torch::Tensor k = rows.narrow(2, 2 * nh * hd, nkv * hd).unflatten(2, {nkv, hd});
-    const torch::Tensor v = rows.narrow(2, (2 * nh + nkv) * hd, nkv * hd).unflatten(2, {nkv, hd});
+    const at::Tensor rows = proj.view({N, T, proj.size(1)});
+    const at::Tensor k = rows.narrow(2, 2 * nh * hd, nkv * hd).unflatten(2, {nkv, hd});
+    const at::Tensor v = rows.narrow(2, (2 * nh + nkv) * hd, nkv * hd).unflatten(2, {nkv, hd});
     const int64_t *sp = slots.data_ptr<int64_t>(), *pp = start.data_ptr<int64_t>();
     for (int64_t n = 0; n < N; ++n) {
       TORCH_CHECK(sp[n] >= 0 && sp[n] < k_cache.size(0) && pp[n] >= 0 && pp[n] + T <= k_cache.size(1),
@@ -284,9 +285,9 @@ class DecodePlan {
   // Gated attention of T <= kStepTokens tokens of each of N sequences, token by token as a decode step attends (the
   // one-call kernel), so that a verify pass gives a decode step's bits (models/layers.py STEP_TOKENS does the same).
   // proj [N T, D] -> [N T, nh hd], the output projection's input.
-  static torch::Tensor attention_steps(const LayerPlan& l, torch::Tensor proj, int64_t N, int64_t T, torch::Tensor cos,
-                                       torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                                       torch::Tensor slots, torch::Tensor start, torch::Tensor& kept) {
+  static at::Tensor attention_steps(const LayerPlan& l, at::Tensor proj, int64_t N, int64_t T, at::Tensor cos,
+                                       at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
+                                       at::Tensor slots, at::Tensor start, at::Tensor& kept) {
     const int64_t hd = l.q_norm.numel();
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
     const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
@@ -295,9 +296,9 @@ class DecodePlan {
                      kept_rows(kept, N, l.heads * hd));
       return kept;
     }
-    torch::Tensor o = at::empty({N, T, l.heads * hd}, f32), ot = at::empty({N, l.heads * hd}, f32);
-    const torch::Tensor rows = proj.view({N, T, proj.size(1)});
-    const torch::Tensor c = cos.view({N, T, cos.size(1)}), s = sin.view({N, T, sin.size(1)});
+    at::Tensor o = at::empty({N, T, l.heads * hd}, f32), ot = at::empty({N, l.heads * hd}, f32);
+    const at::Tensor rows = proj.view({N, T, proj.size(1)});
+    const at::Tensor c = cos.view({N, T, cos.size(1)}), s = sin.view({N, T, sin.size(1)});
     for (int64_t t = 0; t < T; ++t) {
       attention_step(rows.select(1, t), l.q_norm, l.k_norm, l.inner_eps, c.select(1, t).contiguous(),
                      s.select(1, t).contiguous(), k_cache, v_cache, slots, start + t, scale, ot);
@@ -309,15 +310,15 @@ class DecodePlan {
   // Gated attention over T tokens of each of N sequences, as the modules' prefill path computes it: q / k norms
   // and rope in place on proj [N T, D], the keys and values written into the cache rows, attention over the rows
   // (attention_cached), times sigmoid(gate). -> [N T, nh hd], the output projection's input.
-  static torch::Tensor attention_tokens(const LayerPlan& l, torch::Tensor proj, int64_t N, int64_t T, torch::Tensor cos,
-                                        torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                                        torch::Tensor slots, torch::Tensor start) {
+  static at::Tensor attention_tokens(const LayerPlan& l, at::Tensor proj, int64_t N, int64_t T, at::Tensor cos,
+                                        at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
+                                        at::Tensor slots, at::Tensor start) {
     const int64_t hd = l.q_norm.numel(), nh = l.heads, nkv = k_cache.size(2);
     TORCH_CHECK(proj.size(1) == (2 * nh + 2 * nkv) * hd, "DecodePlan.verify: attention projection width");
     norm_rope_rows(proj, l.q_norm, l.k_norm, l.inner_eps, cos, sin, nh, nkv, 2 * nh * hd);
     store_kv(l, proj, N, T, k_cache, v_cache, slots, start);
-    const torch::Tensor rows = proj.view({N, T, proj.size(1)});
-    torch::Tensor o = at::empty({N, T, nh, hd}, at::TensorOptions().dtype(at::kFloat));
+    const at::Tensor rows = proj.view({N, T, proj.size(1)});
+    at::Tensor o = at::empty({N, T, nh, hd}, at::TensorOptions().dtype(at::kFloat));
     attention_cached(rows.narrow(2, 0, nh * hd).unflatten(2, {nh, hd}), k_cache, v_cache, slots, start,
                      1.0 / std::sqrt(static_cast<double>(hd)), o);
     o = o.view({N * T, nh * hd});
@@ -334,8 +335,8 @@ class DecodePlan {
 class MTPPlan {
  public:
   // embed [V, E] float32, float16 or bfloat16 (the trunk's table); layer: a DecodePlan of the one attention decoder layer
-  MTPPlan(torch::Tensor embed, torch::Tensor enorm, torch::Tensor hnorm, double eps, const LinearRef& fc,
-          const DecodePlan& layer, torch::Tensor norm, const LinearRef& head)
+  MTPPlan(at::Tensor embed, at::Tensor enorm, at::Tensor hnorm, double eps, const LinearRef& fc,
+          const DecodePlan& layer, at::Tensor norm, const LinearRef& head)
       : embed_(embed), enorm_(enorm), hnorm_(hnorm), norm_(norm), eps_(eps), fc_(fc), layer_(layer), head_(head) {
     TORCH_CHECK(embed.dim() == 2 && (embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kHalf ||
                                      embed.scalar_type() == at::kBFloat16),
@@ -345,16 +346,16 @@ class MTPPlan {
 
   // After a trunk pass over ids [N * T] (T tokens per sequence from start[n]) whose normed hidden states before
   // each token are before [N * T, E]: the layer's keys and values at those positions. cos, sin [N * T, rot].
-  void follow(torch::Tensor ids, torch::Tensor before, int64_t T, torch::Tensor slots, torch::Tensor start,
-              torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache) {
+  void follow(at::Tensor ids, at::Tensor before, int64_t T, at::Tensor slots, at::Tensor start,
+              at::Tensor cos, at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache) {
     layer_.write_kv(input(ids, before), T, slots, start, cos, sin, k_cache, v_cache);
   }
 
   // Greedy chained drafts: sequence n drafts ks[n] tokens after ids[n] (its pending token, at position start[n]),
   // from hidden [N, E], the trunk's normed state after its last cached token; draft s of it sits at start[n] + s,
   // cos, sin [N, max k, rot], and writes the layer's cache there. -> [N, max k] int64, -1 past a sequence's ks[n].
-  torch::Tensor draft(torch::Tensor ids, torch::Tensor hidden, torch::Tensor slots, torch::Tensor start,
-                      torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+  at::Tensor draft(at::Tensor ids, at::Tensor hidden, at::Tensor slots, at::Tensor start,
+                      at::Tensor cos, at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
                       const std::vector<int64_t>& ks) {
     const int64_t N = ids.size(0), steps = cos.size(1);
     TORCH_CHECK(static_cast<int64_t>(ks.size()) == N && hidden.dim() == 2 && hidden.size(0) == N &&
@@ -370,21 +371,21 @@ class MTPPlan {
                   "MTPPlan.draft: slot ", slot, " from position ", at, " cannot take ", ks[n], " drafts");
     }
     const auto i64 = at::TensorOptions().dtype(at::kLong);
-    torch::Tensor drafts = at::full({N, steps}, -1, i64);
-    const torch::Tensor none = at::empty({0}, at::TensorOptions().dtype(at::kFloat));
-    torch::Tensor tok = ids.clone(), h = hidden.contiguous(), rows = at::arange(N, i64);
+    at::Tensor drafts = at::full({N, steps}, -1, i64);
+    const at::Tensor none = at::empty({0}, at::TensorOptions().dtype(at::kFloat));
+    at::Tensor tok = ids.clone(), h = hidden.contiguous(), rows = at::arange(N, i64);
     for (int64_t s = 0; s < steps; ++s) {
       std::vector<int64_t> live;  // the sequences that still draft, as rows of tok / h
       for (int64_t r = 0; r < rows.size(0); ++r)
         if (ks[rows.data_ptr<int64_t>()[r]] > s) live.push_back(r);
       if (live.empty()) break;
       if (static_cast<int64_t>(live.size()) < rows.size(0)) {
-        const torch::Tensor keep = torch::from_blob(live.data(), {static_cast<int64_t>(live.size())}, i64).clone();
+        const at::Tensor keep = at::from_blob(live.data(), {static_cast<int64_t>(live.size())}, i64).clone();
         tok = tok.index_select(0, keep), h = h.index_select(0, keep), rows = rows.index_select(0, keep);
       }
       const bool all = rows.size(0) == N;  // (the common case: every sequence drafts as many)
-      const auto pick = [&](const torch::Tensor& t) { return all ? t : t.index_select(0, rows); };
-      torch::Tensor g = layer_.step(input(tok, h), pick(slots), pick(start) + s, pick(cos).select(1, s).contiguous(),
+      const auto pick = [&](const at::Tensor& t) { return all ? t : t.index_select(0, rows); };
+      at::Tensor g = layer_.step(input(tok, h), pick(slots), pick(start) + s, pick(cos).select(1, s).contiguous(),
                                     pick(sin).select(1, s).contiguous(), {none}, {none}, {k_cache}, {v_cache});
       rms_norm(g, norm_, eps_, g, none, 0);
       tok = argmax_rows(head_(g));
@@ -395,23 +396,23 @@ class MTPPlan {
   }
 
  private:
-  torch::Tensor embed_, enorm_, hnorm_, norm_;
+  at::Tensor embed_, enorm_, hnorm_, norm_;
   double eps_;
   LinearRef fc_;
   DecodePlan layer_;
   LinearRef head_;
 
   // fc([enorm(embed(ids)) | hnorm(hidden)]): ids [M], hidden [M, E] -> [M, E]
-  torch::Tensor input(const torch::Tensor& ids, const torch::Tensor& hidden) {
+  at::Tensor input(const at::Tensor& ids, const at::Tensor& hidden) {
     const int64_t M = ids.size(0), E = embed_.size(1);
     TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.size(0) == M && hidden.size(1) == E,
                 "MTPPlan: hidden must be float32 [M, E]");
-    torch::Tensor both = at::empty({M, 2 * E}, at::TensorOptions().dtype(at::kFloat));
-    const torch::Tensor none = at::empty({0}, at::TensorOptions().dtype(at::kFloat));
-    torch::Tensor e = both.narrow(1, 0, E), hn = both.narrow(1, E, E);
-    const torch::Tensor rows = embed_.index_select(0, ids).to(at::kFloat), h = hidden.contiguous();
+    at::Tensor both = at::empty({M, 2 * E}, at::TensorOptions().dtype(at::kFloat));
+    const at::Tensor none = at::empty({0}, at::TensorOptions().dtype(at::kFloat));
+    at::Tensor e = both.narrow(1, 0, E), hn = both.narrow(1, E, E);
+    const at::Tensor rows = embed_.index_select(0, ids).to(at::kFloat), h = hidden.contiguous();
     // rms_norm writes whole rows; the halves of `both` are rows 2E apart, so each half goes through a buffer
-    torch::Tensor buf = at::empty({M, E}, at::TensorOptions().dtype(at::kFloat));
+    at::Tensor buf = at::empty({M, E}, at::TensorOptions().dtype(at::kFloat));
     rms_norm(rows.contiguous(), enorm_, eps_, buf, none, 0);
     e.copy_(buf);
     rms_norm(h, hnorm_, eps_, buf, none, 0);
@@ -423,7 +424,7 @@ class MTPPlan {
 inline void bind_plan(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<LinearRef>(m, "LinearRef")
-      .def(py::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t>())
+      .def(py::init<int64_t, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t>())
       .def("__call__", &LinearRef::operator());
   py::class_<FeedForward>(m, "FeedForward")
       .def(py::init<std::vector<LinearRef>, std::vector<LinearRef>, std::optional<LinearRef>, int64_t, bool,
@@ -438,8 +439,8 @@ inline void bind_plan(pybind11::module_& m) {
       .def("write_kv", &DecodePlan::write_kv)
       .def("__len__", &DecodePlan::size);
   py::class_<MTPPlan>(m, "MTPPlan")
-      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, double, const LinearRef&, const DecodePlan&,
-                    torch::Tensor, const LinearRef&>())
+      .def(py::init<at::Tensor, at::Tensor, at::Tensor, double, const LinearRef&, const DecodePlan&,
+                    at::Tensor, const LinearRef&>())
       .def("follow", &MTPPlan::follow)
       .def("draft", &MTPPlan::draft);
 }

@@ -7,7 +7,8 @@
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
 #include <algorithm>
@@ -166,8 +167,8 @@ inline double probe_amx(int64_t iters, int64_t reps) {
 // round, in turn (rounds of a few hundred microseconds run whole between other jobs; a share larger than the L3
 // comes back from memory), prefetched into L2 as far ahead as the decode GEMVs prefetch their rows (without it a
 // Xeon's demand loads read 15 GB/s a core where those kernels stream 24)
-inline double probe_read(torch::Tensor buf, int64_t reps) {
-  TORCH_CHECK(buf.dtype() == torch::kUInt8 && buf.is_contiguous() && buf.numel() % 256 == 0, "buf must be uint8, whole 256s");
+inline double probe_read(at::Tensor buf, int64_t reps) {
+  TORCH_CHECK(buf.dtype() == at::kByte && buf.is_contiguous() && buf.numel() % 256 == 0, "buf must be uint8, whole 256s");
   const uint8_t* p = buf.data_ptr<uint8_t>();
   const int64_t n = buf.numel() / 256, threads = at::get_num_threads(), share = std::max<int64_t>(1, n / threads);
   constexpr int64_t kChunk = 4096;  // blocks of 256 bytes: 1 MB
@@ -202,8 +203,8 @@ inline double probe_read(torch::Tensor buf, int64_t reps) {
 // the sum of buf's bytes, read once on all threads, each its contiguous share, prefetched as the decode GEMVs
 // prefetch their rows: a pass the bench times by the wall clock beside a pass of the decode GEMVs over as many bytes,
 // measured as they are (probe_read's fastest rounds are a peak no whole pass reaches)
-inline int64_t read_sum(torch::Tensor buf) {
-  TORCH_CHECK(buf.dtype() == torch::kUInt8 && buf.is_contiguous() && buf.numel() % 256 == 0, "buf must be uint8, whole 256s");
+inline int64_t read_sum(at::Tensor buf) {
+  TORCH_CHECK(buf.dtype() == at::kByte && buf.is_contiguous() && buf.numel() % 256 == 0, "buf must be uint8, whole 256s");
   const uint8_t* p = buf.data_ptr<uint8_t>();
   const int64_t n = buf.numel() / 256, threads = at::get_num_threads();
   std::vector<int64_t> part(threads, 0);

@@ -7,7 +7,8 @@
 // against ~1.3 ms of kernels), a plain decode step half as much.
 #pragma once
 #include <pybind11/stl.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <tuple>
 #include <vector>
@@ -21,7 +22,7 @@ class GreedySpec {
  public:
   // trunk: every decoder layer; mtp: the MTP layer's plan; embed [V, E] float (the trunk's table); norm: the final
   // norm's multiplier; head: the trunk's output head (the weights verification trusts, never a draft copy)
-  GreedySpec(const DecodePlan& trunk, const MTPPlan& mtp, torch::Tensor embed, torch::Tensor norm, double eps,
+  GreedySpec(const DecodePlan& trunk, const MTPPlan& mtp, at::Tensor embed, at::Tensor norm, double eps,
              const LinearRef& head)
       : trunk_(trunk), mtp_(mtp), embed_(embed), norm_(norm), eps_(eps), head_(head) {}
 
@@ -31,11 +32,11 @@ class GreedySpec {
   // caches as DecodePlan.verify takes them, mtp_k / mtp_v the MTP layer's, mtp_h [slots, 1, E] its hidden state.
   // -> drafts [N, max k] (-1 past ks[n]), accepted drafts [N], the trunk's next token [N]. The caller sets
   // lengths[slots] = start + accepted + 1.
-  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> step(
-      torch::Tensor ids, torch::Tensor slots, torch::Tensor start, torch::Tensor cos, torch::Tensor sin,
-      const std::vector<torch::Tensor>& conv, const std::vector<torch::Tensor>& ssm,
-      const std::vector<torch::Tensor>& k_cache, const std::vector<torch::Tensor>& v_cache, torch::Tensor mtp_k,
-      torch::Tensor mtp_v, torch::Tensor mtp_h, const std::vector<int64_t>& ks) {
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> step(
+      at::Tensor ids, at::Tensor slots, at::Tensor start, at::Tensor cos, at::Tensor sin,
+      const std::vector<at::Tensor>& conv, const std::vector<at::Tensor>& ssm,
+      const std::vector<at::Tensor>& k_cache, const std::vector<at::Tensor>& v_cache, at::Tensor mtp_k,
+      at::Tensor mtp_v, at::Tensor mtp_h, const std::vector<int64_t>& ks) {
     const int64_t N = ids.size(0), T = cos.size(1), E = embed_.size(1);
     TORCH_CHECK(T >= 2 && static_cast<int64_t>(ks.size()) == N && slots.size(0) == N && start.size(0) == N,
                 "GreedySpec.step: one k (>= 1), slot and start per sequence, T >= 2");
@@ -51,31 +52,31 @@ class GreedySpec {
       TORCH_CHECK(id >= 0 && id < embed_.size(0), "GreedySpec.step: token id ", id, " outside the vocabulary");
       for (int64_t m = 0; m < n; ++m) TORCH_CHECK(sp[m] != sp[n], "GreedySpec.step: slot ", sp[n], " twice");
     }
-    const torch::Tensor hidden = mtp_h.index_select(0, slots).view({N, E}).to(at::kFloat).contiguous();
-    const torch::Tensor drafts = mtp_.draft(ids, hidden, slots, start, cos.narrow(1, 0, T - 1).contiguous(),
+    const at::Tensor hidden = mtp_h.index_select(0, slots).view({N, E}).to(at::kFloat).contiguous();
+    const at::Tensor drafts = mtp_.draft(ids, hidden, slots, start, cos.narrow(1, 0, T - 1).contiguous(),
                                             sin.narrow(1, 0, T - 1).contiguous(), mtp_k, mtp_v, ks);
 
     // the rows [pending, drafts, last draft repeated]
-    torch::Tensor rows = at::empty({N, T}, drafts.options());
+    at::Tensor rows = at::empty({N, T}, drafts.options());
     int64_t* rp = rows.data_ptr<int64_t>();
     const int64_t *dp = drafts.data_ptr<int64_t>(), *ip = ids.data_ptr<int64_t>();
     for (int64_t n = 0; n < N; ++n) {
       rp[n * T] = ip[n];
       for (int64_t t = 1; t < T; ++t) rp[n * T + t] = dp[n * (T - 1) + std::min(t, ks[n]) - 1];
     }
-    const torch::Tensor flat = rows.view({N * T});
-    const torch::Tensor cs = cos.reshape({N * T, -1}).contiguous(), sn = sin.reshape({N * T, -1}).contiguous();
+    const at::Tensor flat = rows.view({N * T});
+    const at::Tensor cs = cos.reshape({N * T, -1}).contiguous(), sn = sin.reshape({N * T, -1}).contiguous();
     auto [h, tapes, kept] = trunk_.verify(embed_.index_select(0, flat).to(at::kFloat).contiguous(), T, slots, start,
                                           cs, sn, conv, ssm, k_cache, v_cache, T);
-    const torch::Tensor none = at::empty({0}, at::TensorOptions().dtype(at::kFloat));
+    const at::Tensor none = at::empty({0}, at::TensorOptions().dtype(at::kFloat));
     rms_norm(h, norm_, eps_, h, none, 0);  // [N T, E] normed in place
-    torch::Tensor before = at::empty({N, T, E}, h.options());  // the hidden state before each token
+    at::Tensor before = at::empty({N, T, E}, h.options());  // the hidden state before each token
     before.select(1, 0).copy_(hidden);
     before.narrow(1, 1, T - 1).copy_(h.view({N, T, E}).narrow(1, 0, T - 1));
     mtp_.follow(flat, before.view({N * T, E}), T, slots, start, cs, sn, mtp_k, mtp_v);
-    const torch::Tensor best = argmax_rows(head_(h)).view({N, T});
+    const at::Tensor best = argmax_rows(head_(h)).view({N, T});
 
-    torch::Tensor accepted = at::empty({N}, drafts.options()), next = at::empty({N}, drafts.options());
+    at::Tensor accepted = at::empty({N}, drafts.options()), next = at::empty({N}, drafts.options());
     const int64_t* bp = best.data_ptr<int64_t>();
     for (int64_t n = 0; n < N; ++n) {
       int64_t a = 0;
@@ -96,7 +97,7 @@ class GreedySpec {
  private:
   DecodePlan trunk_;
   MTPPlan mtp_;
-  torch::Tensor embed_, norm_;
+  at::Tensor embed_, norm_;
   double eps_;
   LinearRef head_;
 };
@@ -104,7 +105,7 @@ class GreedySpec {
 inline void bind_spec(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<GreedySpec>(m, "GreedySpec")
-      .def(py::init<const DecodePlan&, const MTPPlan&, torch::Tensor, torch::Tensor, double, const LinearRef&>())
+      .def(py::init<const DecodePlan&, const MTPPlan&, at::Tensor, at::Tensor, double, const LinearRef&>())
       .def("step", &GreedySpec::step);
 }
 
