@@ -245,15 +245,15 @@ inline void block32_rows(const Segments& seg, const uint8_t* base, int64_t s, in
 
 #if defined(__AVX2__) && !defined(__AVX512BW__)
 // decode on AVX2 (M <= kRows): each thread a run of output columns, taken a segment's part at a time, K-quant and
-// IQ4_XS rows by int8gemv_avx2.h's kernels (codes opened in registers as they stream in), Q4_0 rows two blocks a
-// vector (int8legacy_avx2.h rows_q40_pairs), other 32-weight blocks by block32_rows. (No AVX2 build holds rows in
+// IQ4_XS rows by int8gemv_avx2.h's kernels (codes opened in registers as they stream in), Q4_0 / Q4_1 / Q5_0 / Q5_1
+// rows two blocks a vector (int8legacy_avx2.h rows_pairs), Q8_0 and IQ4_NL by block32_rows. (No AVX2 build holds rows in
 // panels: those are the AVX-512 kernels' layout.)
 inline void decode_avx2(const Segments& seg, const uint8_t* base, const XBlock* xq, const q8::Q8Acts& x8, int64_t M,
                         int64_t K, float* y) {
   const int64_t N = seg.rows, nb = K / 256;
   static thread_local std::vector<q8::XPair> pairs;  // (the workers read this thread's: xp)
   for (int64_t s = 0; s < seg.S; ++s)
-    if (seg.type(s) == Q4_0) {
+    if (q8::pairs_decode(seg.type(s))) {
       q8::pair_up(x8, pairs);
       break;
     }
@@ -263,10 +263,10 @@ inline void decode_avx2(const Segments& seg, const uint8_t* base, const XBlock* 
     for (int64_t n0 = lo, n1; n0 < hi; n0 = n1) {
       const int64_t s = seg.find(n0), type = seg.type(s);
       n1 = std::min(hi, seg.end(s));
-      if (type == Q4_0) {
+      if (q8::pairs_decode(type)) {
         for (int64_t g = 0; g < M; g += kRows)
-          q8::q40_rows_kernel(std::min<int64_t>(kRows, M - g))(seg.row(base, s, n0, K), n1 - n0, K / 32 * 18, x8, xp, g,
-                                                              y + g * N + n0, N);
+          q8::pair_rows_kernel(type, std::min<int64_t>(kRows, M - g))(seg.row(base, s, n0, K), n1 - n0,
+                                                                      K / 32 * layout(type).bytes, x8, xp, g, y + g * N + n0, N);
         continue;
       }
       if (q8::block32(type)) {
