@@ -85,7 +85,7 @@ inline float offsets(const float* m, const Q8Acts& a, int64_t row) {
 // The weights of one block pair (TWO) or of a lone last block at b0, 64 codes [lo0 hi0 lo1 hi1] unsigned (the Q5
 // fifth bits from a mask; NL: IQ4_NL's levels + 128), and per lane its block's d and (the _1 types) m
 template <bool ONE, bool FIVE, bool TWO, bool NL = false>
-inline void open_pair(const uint8_t* b0, __m512i& v, __m512& d, __m512& m) {
+inline __attribute__((always_inline)) void open_pair(const uint8_t* b0, __m512i& v, __m512& d, __m512& m) {
   constexpr int64_t bytes = 18 + (ONE ? 2 : 0) + (FIVE ? 4 : 0), qh_at = ONE ? 4 : 2, qs_at = qh_at + (FIVE ? 4 : 0);
   const uint8_t* b1 = b0 + bytes;
 #if defined(__AVX512VBMI__)
@@ -104,8 +104,18 @@ inline void open_pair(const uint8_t* b0, __m512i& v, __m512& d, __m512& m) {
   const __m128i q1 = TWO ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + qs_at)) : _mm_setzero_si128();
   const __m512i t = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(q0), q0, 1), q1, 2), q1, 3);
 #endif
-  d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(kq::half(b0)), _mm512_set1_ps(TWO ? kq::half(b1) : 0.f));
-  if (ONE) m = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(kq::half(b0 + 2)), _mm512_set1_ps(TWO ? kq::half(b1 + 2) : 0.f));
+  if constexpr (ONE) {  // d and m of both blocks in one conversion, then to their lanes, 8 a block (four scalar
+    // conversions, broadcasts and blends had taken ~18 instructions a pair: Q4_1's rows ran at 42% of a read beside;
+    // for d alone, two broadcasts and a blend measured faster than this)
+    uint32_t h0, h1 = 0;
+    std::memcpy(&h0, b0, 4);
+    if (TWO) std::memcpy(&h1, b1, 4);
+    const __m512 f = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(h0 | uint64_t{h1} << 32))));
+    d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), f);  // [d0 m0 d1 m1]
+    m = _mm512_permutexvar_ps(_mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3), f);
+  } else {
+    d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(kq::half(b0)), _mm512_set1_ps(TWO ? kq::half(b1) : 0.f));
+  }
   v = _mm512_and_si512(_mm512_mask_blend_epi64(0xCC, t, _mm512_srli_epi16(t, 4)), _mm512_set1_epi8(0x0F));
   if (NL) {  // vpshufb looks up within each 128-bit lane: the 16 levels + 128 in every lane
     alignas(16) static const auto levels = [] {
@@ -125,7 +135,7 @@ inline void open_pair(const uint8_t* b0, __m512i& v, __m512& d, __m512& m) {
 
 // acc[m] += the block pair (or lone block) k of a row at b0 . activation row m's blocks k (, k + 1)
 template <int MB, bool ONE, bool FIVE, bool TWO, bool NL>
-inline void legacy_pair(const uint8_t* b0, const Q8Acts& a, int64_t k, __m512* acc) {
+inline __attribute__((always_inline)) void legacy_pair(const uint8_t* b0, const Q8Acts& a, int64_t k, __m512* acc) {
   constexpr int shift = NL ? 0 : FIVE ? 3 : 4;  // -128 sum / 2^shift = -bias sum: bias 128 (NL), 16 (Q5_0), 8 (Q4_0)
   constexpr __mmask64 keep = TWO ? ~__mmask64{0} : 0xFFFFFFFFull;
   constexpr __mmask16 lanes = TWO ? 0xFFFF : 0xFF;
