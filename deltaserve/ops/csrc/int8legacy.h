@@ -203,6 +203,63 @@ inline void rows32(int64_t type, int64_t M, const uint8_t* row, const Q8Acts& a,
   TORCH_CHECK(false, "rows32: GGML type ", type, " is not of 32-weight blocks");
 }
 
+// y[m * ldy + r] = (row r of `rows`, row_bytes apart) . activation row m of a (m < MB) by ROW, a run of rows a call
+// (a call, a dispatch and two switches per row had held Q4_1's decode rows below 80% of a read beside)
+template <int MB, void (*ROW)(const uint8_t*, const Q8Acts&, float*)>
+void each_row32(const uint8_t* row, int64_t rows, int64_t row_bytes, const Q8Acts& a, float* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float sums[MB];
+    ROW(row + r * row_bytes, a, sums);
+    for (int m = 0; m < MB; ++m) y[m * ldy + r] = sums[m];
+  }
+}
+
+using Rows32Run = void (*)(const uint8_t*, int64_t, int64_t, const Q8Acts&, float*, int64_t);
+
+template <template <int> class Row>
+inline Rows32Run run_of(int64_t M) {
+  switch (M) {
+    case 1: return each_row32<1, Row<1>::f>;
+    case 2: return each_row32<2, Row<2>::f>;
+    case 3: return each_row32<3, Row<3>::f>;
+    case 4: return each_row32<4, Row<4>::f>;
+    case 5: return each_row32<5, Row<5>::f>;
+    case 6: return each_row32<6, Row<6>::f>;
+    case 7: return each_row32<7, Row<7>::f>;
+    default: return each_row32<8, Row<8>::f>;
+  }
+}
+
+template <bool ONE, bool FIVE, bool NL = false>
+struct LegacyRow {
+  template <int MB>
+  struct Of {
+    static constexpr auto f = legacy_row<MB, ONE, FIVE, NL>;
+  };
+};
+
+template <int MB>
+struct Q8Row {
+  static constexpr auto f = q8_block_row<MB>;
+};
+
+// y[m * ldy + r] = (row r of `rows` of one of the block32 types, row_bytes apart) . activation row m of a, m < M <=
+// kQ8Rows (decode)
+inline void rows32_run(int64_t type, int64_t M, const uint8_t* row, int64_t rows, int64_t row_bytes, const Q8Acts& a,
+                       float* y, int64_t ldy) {
+  Rows32Run run = nullptr;
+  switch (type) {
+    case kq::Q8_0: run = run_of<Q8Row>(M); break;
+    case kq::Q4_0: run = run_of<LegacyRow<false, false>::Of>(M); break;
+    case kq::Q4_1: run = run_of<LegacyRow<true, false>::Of>(M); break;
+    case kq::Q5_0: run = run_of<LegacyRow<false, true>::Of>(M); break;
+    case kq::Q5_1: run = run_of<LegacyRow<true, true>::Of>(M); break;
+    case kq::IQ4_NL: run = run_of<LegacyRow<false, false, true>::Of>(M); break;
+    default: TORCH_CHECK(false, "rows32_run: GGML type ", type, " is not of 32-weight blocks");
+  }
+  run(row, rows, row_bytes, a, y, ldy);
+}
+
 // up to 16 rows of one of the block32 types, opened for the GEMM
 struct Tile32 {
   Q8Tile tile;

@@ -184,6 +184,17 @@ inline void rows32(int64_t type, int64_t M, const uint8_t* row, const Q8Acts& a,
   TORCH_CHECK(false, "rows32: GGML type ", type, " is not of 32-weight blocks");
 }
 
+// rows32 over a run of rows (rows of them, row_bytes apart) into y[m * ldy + r], m < M: the Skylake-SP build's
+// gemv_direct (AVX-512 BW without VNNI) takes these kernels a row at a time
+inline void rows32_run(int64_t type, int64_t M, const uint8_t* row, int64_t rows, int64_t row_bytes, const Q8Acts& a,
+                       float* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float sums[kRows32];
+    rows32(type, M, row + r * row_bytes, a, sums);
+    for (int64_t m = 0; m < M; ++m) y[m * ldy + r] = sums[m];
+  }
+}
+
 // -- decode of Q4_0, Q4_1, Q5_0 and Q5_1 rows, two blocks a vector ------------------------------------------------
 // Their codes go in unsigned (q, not q - bias: no vpsignb), two blocks' halves side by side: lo holds elements 0..15
 // of blocks 2P and 2P + 1 (128-bit halves), hi their elements 16..31, against the activations laid out to match

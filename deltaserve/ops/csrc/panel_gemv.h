@@ -499,12 +499,18 @@ inline void gemv_direct(const Segments& seg, const uint8_t* base, const XBlock* 
             }
           }
         }
-        for (int64_t n = std::max(lo, pend); n < end; ++n)
+        const int64_t from = std::max(lo, pend);
+        if (q8::block32(type) && from < end) {  // a run of rows a call
+          for (int64_t g = 0; g < M; g += kRows)
+            q8::rows32_run(type, std::min<int64_t>(kRows, M - g), seg.row(base, s, from, K), end - from,
+                           K / 32 * layout(type).bytes, x8g[g / kRows], y + g * N + from, N);
+          continue;
+        }
+        for (int64_t n = from; n < end; ++n)
           for (int64_t g = 0; g < M; g += kRows) {
             const int64_t rows = std::min<int64_t>(kRows, M - g);
             float sums[kRows];
-            if (q8::block32(type)) q8::rows32(type, rows, seg.row(base, s, n, K), x8g[g / kRows], sums);
-            else row_kernel(type, rows)(seg.row(base, s, n, K), nb, xq + g * nb, sums);
+            row_kernel(type, rows)(seg.row(base, s, n, K), nb, xq + g * nb, sums);
             for (int64_t m = 0; m < rows; ++m) y[(g + m) * N + n] = sums[m];
           }
       }
