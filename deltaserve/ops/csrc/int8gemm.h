@@ -246,8 +246,8 @@ inline void block32_rows(const Segments& seg, const uint8_t* base, int64_t s, in
 #if defined(__AVX2__) && !defined(__AVX512BW__)
 // decode on AVX2 (M <= kRows): each thread a run of output columns, taken a segment's part at a time, K-quant and
 // IQ4_XS rows by int8gemv_avx2.h's kernels (codes opened in registers as they stream in), Q4_0 / Q4_1 / Q5_0 / Q5_1
-// rows two blocks a vector (int8legacy_avx2.h rows_pairs), Q8_0 and IQ4_NL by block32_rows. (No AVX2 build holds rows in
-// panels: those are the AVX-512 kernels' layout.)
+// rows two blocks a vector (int8legacy_avx2.h rows_pairs), Q8_0 and IQ4_NL a block a vector (rows32_run). (No AVX2
+// build holds rows in panels: those are the AVX-512 kernels' layout.)
 inline void decode_avx2(const Segments& seg, const uint8_t* base, const XBlock* xq, const q8::Q8Acts& x8, int64_t M,
                         int64_t K, float* y) {
   const int64_t N = seg.rows, nb = K / 256;
@@ -270,7 +270,7 @@ inline void decode_avx2(const Segments& seg, const uint8_t* base, const XBlock* 
         continue;
       }
       if (q8::block32(type)) {
-        block32_rows(seg, base, s, n0, n1, K, x8, y, N);
+        q8::rows32_run(type, M, seg.row(base, s, n0, K), n1 - n0, K / 32 * layout(type).bytes, x8, y + n0, N);
         continue;
       }
       TORCH_CHECK(rows_avx2(type) && !seg.panels(s), "linear_int8: segment ", s, " (GGML type ", type, ") has no AVX2 decode kernel");

@@ -184,15 +184,54 @@ inline void rows32(int64_t type, int64_t M, const uint8_t* row, const Q8Acts& a,
   TORCH_CHECK(false, "rows32: GGML type ", type, " is not of 32-weight blocks");
 }
 
-// rows32 over a run of rows (rows of them, row_bytes apart) into y[m * ldy + r], m < M: the Skylake-SP build's
-// gemv_direct (AVX-512 BW without VNNI) takes these kernels a row at a time
+// y[m * ldy + r] = (row r of `rows` of TYPE, row_bytes apart) . activation row m of a (m < MB): file_rows32 over a
+// run of rows, one call (a call and two switches a row had cost IQ4_NL's decode rows a tenth of their time)
+template <int64_t TYPE, int MB>
+void file_run32(const uint8_t* row, int64_t rows, int64_t row_bytes, const Q8Acts& a, float* y, int64_t ldy) {
+  constexpr bool one = TYPE == kq::Q4_1 || TYPE == kq::Q5_1;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* w = row + r * row_bytes;
+    float sums[MB];
+    dot_row32<MB, one>(a, 0, [&](int64_t k) {
+      const uint8_t* b = w + kBytes32<TYPE> * k;
+      _mm_prefetch(reinterpret_cast<const char*>(b) + kGemvPrefetch, _MM_HINT_T0);
+      return open_block32<TYPE>(b);
+    }, sums);
+    for (int m = 0; m < MB; ++m) y[m * ldy + r] = sums[m];
+  }
+}
+
+using Run32 = void (*)(const uint8_t*, int64_t, int64_t, const Q8Acts&, float*, int64_t);
+
+template <int64_t TYPE>
+inline Run32 file_run32_of(int64_t M) {
+  switch (M) {
+    case 1: return file_run32<TYPE, 1>;
+    case 2: return file_run32<TYPE, 2>;
+    case 3: return file_run32<TYPE, 3>;
+    case 4: return file_run32<TYPE, 4>;
+    case 5: return file_run32<TYPE, 5>;
+    case 6: return file_run32<TYPE, 6>;
+    case 7: return file_run32<TYPE, 7>;
+    default: return file_run32<TYPE, kRows32>;
+  }
+}
+
+// rows32 over a run of rows of a file (rows of them, row_bytes apart) into y[m * ldy + r], m < M <= kRows32: the
+// AVX2 build's decode of Q8_0 and IQ4_NL rows, and the Skylake-SP build's (AVX-512 BW without VNNI) gemv_direct
 inline void rows32_run(int64_t type, int64_t M, const uint8_t* row, int64_t rows, int64_t row_bytes, const Q8Acts& a,
                        float* y, int64_t ldy) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float sums[kRows32];
-    rows32(type, M, row + r * row_bytes, a, sums);
-    for (int64_t m = 0; m < M; ++m) y[m * ldy + r] = sums[m];
+  Run32 run = nullptr;
+  switch (type) {
+    case kq::Q8_0: run = file_run32_of<kq::Q8_0>(M); break;
+    case kq::Q4_0: run = file_run32_of<kq::Q4_0>(M); break;
+    case kq::Q4_1: run = file_run32_of<kq::Q4_1>(M); break;
+    case kq::Q5_0: run = file_run32_of<kq::Q5_0>(M); break;
+    case kq::Q5_1: run = file_run32_of<kq::Q5_1>(M); break;
+    case kq::IQ4_NL: run = file_run32_of<kq::IQ4_NL>(M); break;
+    default: TORCH_CHECK(false, "rows32_run: GGML type ", type, " is not of 32-weight blocks");
   }
+  run(row, rows, row_bytes, a, y, ldy);
 }
 
 // -- decode of Q4_0, Q4_1, Q5_0 and Q5_1 rows, two blocks a vector ------------------------------------------------
