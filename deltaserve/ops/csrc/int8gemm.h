@@ -226,11 +226,8 @@ inline void block32_rows(const Segments& seg, const uint8_t* base, int64_t s, in
                          const q8::Q8Acts& x8, float* y, int64_t N) {
   const int64_t type = seg.type(s);
   if (x8.M <= kRows) {
-    for (int64_t n = n0; n < n1; ++n) {
-      float sums[q8::kQ8Rows];
-      q8::rows32(type, x8.M, native_row(seg, base, s, n, K, row_scratch(K)), x8, sums);
-      for (int64_t m = 0; m < x8.M; ++m) y[m * N + n] = sums[m];
-    }
+    TORCH_CHECK(!seg.panels(s), "block32_rows: decode of rows in panels takes gemv_direct");
+    q8::rows32_run(type, x8.M, seg.row(base, s, n0, K), n1 - n0, K / 32 * layout(type).bytes, x8, y + n0, N);
     return;
   }
 #if defined(DELTASERVE_BLOCK32_AVX2)

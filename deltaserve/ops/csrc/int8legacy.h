@@ -176,33 +176,6 @@ inline void legacy_row(const uint8_t* row, const Q8Acts& a, float* out) {
   for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
 
-template <bool ONE, bool FIVE, bool NL = false>
-inline void legacy_rows(int64_t M, const uint8_t* row, const Q8Acts& a, float* out) {
-  switch (M) {
-    case 1: return legacy_row<1, ONE, FIVE, NL>(row, a, out);
-    case 2: return legacy_row<2, ONE, FIVE, NL>(row, a, out);
-    case 3: return legacy_row<3, ONE, FIVE, NL>(row, a, out);
-    case 4: return legacy_row<4, ONE, FIVE, NL>(row, a, out);
-    case 5: return legacy_row<5, ONE, FIVE, NL>(row, a, out);
-    case 6: return legacy_row<6, ONE, FIVE, NL>(row, a, out);
-    case 7: return legacy_row<7, ONE, FIVE, NL>(row, a, out);
-    default: return legacy_row<8, ONE, FIVE, NL>(row, a, out);
-  }
-}
-
-// out[m] = row . activation row m of a (m < M <= kQ8Rows) for a row of one of the block32 types
-inline void rows32(int64_t type, int64_t M, const uint8_t* row, const Q8Acts& a, float* out) {
-  switch (type) {
-    case kq::Q8_0: return q8_block_rows(M, row, a, out);
-    case kq::Q4_0: return legacy_rows<false, false>(M, row, a, out);
-    case kq::Q4_1: return legacy_rows<true, false>(M, row, a, out);
-    case kq::Q5_0: return legacy_rows<false, true>(M, row, a, out);
-    case kq::Q5_1: return legacy_rows<true, true>(M, row, a, out);
-    case kq::IQ4_NL: return legacy_rows<false, false, true>(M, row, a, out);
-  }
-  TORCH_CHECK(false, "rows32: GGML type ", type, " is not of 32-weight blocks");
-}
-
 // y[m * ldy + r] = (row r of `rows`, row_bytes apart) . activation row m of a (m < MB) by ROW, a run of rows a call
 // (a call, a dispatch and two switches per row had held Q4_1's decode rows below 80% of a read beside)
 template <int MB, void (*ROW)(const uint8_t*, const Q8Acts&, float*)>
@@ -333,7 +306,7 @@ inline void run_amx(const Tile32* const* t, int nt, const Q8Acts& a, float* y, i
 #endif
 #elif !defined(__AVX2__)
 // (kq::int8_type takes these types only where the kernels above or int8legacy_avx2.h's are built)
-inline void rows32(int64_t, int64_t, const uint8_t*, const Q8Acts&, float*) {
+inline void rows32_run(int64_t, int64_t, const uint8_t*, int64_t, int64_t, const Q8Acts&, float*, int64_t) {
   TORCH_CHECK(false, "integer kernels of 32-weight blocks need AVX-512 VNNI or AVX2");
 }
 #endif

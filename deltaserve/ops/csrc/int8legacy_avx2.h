@@ -153,16 +153,6 @@ inline void dot_rows32(int64_t mb, const Q8Acts& a, int64_t m0, Open&& open, flo
   }
 }
 
-template <int64_t TYPE>
-inline void file_rows32(int64_t M, const uint8_t* row, const Q8Acts& a, float* out) {
-  constexpr bool one = TYPE == kq::Q4_1 || TYPE == kq::Q5_1;
-  dot_rows32<one>(M, a, 0, [&](int64_t k) {
-    const uint8_t* b = row + kBytes32<TYPE> * k;
-    _mm_prefetch(reinterpret_cast<const char*>(b) + kGemvPrefetch, _MM_HINT_T0);
-    return open_block32<TYPE>(b);
-  }, out);
-}
-
 // out[m] = a Q8_0 matrix's row (int8 codes w [K], float16 scales ws [K / 32]) . activation row m0 + m of a (m < mb)
 inline void q8_rows(int64_t mb, const int8_t* w, const at::Half* ws, const Q8Acts& a, int64_t m0, float* out) {
   dot_rows32<false>(mb, a, m0, [&](int64_t k) {
@@ -171,20 +161,7 @@ inline void q8_rows(int64_t mb, const int8_t* w, const at::Half* ws, const Q8Act
   }, out);
 }
 
-// out[m] = row . activation row m of a (m < M <= kRows32) for a file's row of one of the types above (decode)
-inline void rows32(int64_t type, int64_t M, const uint8_t* row, const Q8Acts& a, float* out) {
-  switch (type) {
-    case kq::Q8_0: return file_rows32<kq::Q8_0>(M, row, a, out);
-    case kq::Q4_0: return file_rows32<kq::Q4_0>(M, row, a, out);
-    case kq::Q4_1: return file_rows32<kq::Q4_1>(M, row, a, out);
-    case kq::Q5_0: return file_rows32<kq::Q5_0>(M, row, a, out);
-    case kq::Q5_1: return file_rows32<kq::Q5_1>(M, row, a, out);
-    case kq::IQ4_NL: return file_rows32<kq::IQ4_NL>(M, row, a, out);
-  }
-  TORCH_CHECK(false, "rows32: GGML type ", type, " is not of 32-weight blocks");
-}
-
-// y[m * ldy + r] = (row r of `rows` of TYPE, row_bytes apart) . activation row m of a (m < MB): file_rows32 over a
+// y[m * ldy + r] = (row r of `rows` of TYPE, row_bytes apart) . activation row m of a (m < MB): a
 // run of rows, one call (a call and two switches a row had cost IQ4_NL's decode rows a tenth of their time)
 template <int64_t TYPE, int MB>
 void file_run32(const uint8_t* row, int64_t rows, int64_t row_bytes, const Q8Acts& a, float* y, int64_t ldy) {
@@ -217,8 +194,8 @@ inline Run32 file_run32_of(int64_t M) {
   }
 }
 
-// rows32 over a run of rows of a file (rows of them, row_bytes apart) into y[m * ldy + r], m < M <= kRows32: the
-// AVX2 build's decode of Q8_0 and IQ4_NL rows, and the Skylake-SP build's (AVX-512 BW without VNNI) gemv_direct
+// y[m * ldy + r] = (row r of `rows` of a file, row_bytes apart) . activation row m of a, m < M <= kRows32, a block a
+// vector: the AVX2 build's decode of Q8_0 and IQ4_NL rows, the Skylake-SP build's (AVX-512 BW, no VNNI) gemv_direct
 inline void rows32_run(int64_t type, int64_t M, const uint8_t* row, int64_t rows, int64_t row_bytes, const Q8Acts& a,
                        float* y, int64_t ldy) {
   Run32 run = nullptr;

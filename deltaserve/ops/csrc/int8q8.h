@@ -150,20 +150,6 @@ inline void q8_block_row(const uint8_t* row, const Q8Acts& a, float* out) {
   for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
 
-// out[m] = row . activation row m of a, m < M <= kQ8Rows
-inline void q8_block_rows(int64_t M, const uint8_t* row, const Q8Acts& a, float* out) {
-  switch (M) {
-    case 1: return q8_block_row<1>(row, a, out);
-    case 2: return q8_block_row<2>(row, a, out);
-    case 3: return q8_block_row<3>(row, a, out);
-    case 4: return q8_block_row<4>(row, a, out);
-    case 5: return q8_block_row<5>(row, a, out);
-    case 6: return q8_block_row<6>(row, a, out);
-    case 7: return q8_block_row<7>(row, a, out);
-    default: return q8_block_row<8>(row, a, out);
-  }
-}
-
 // out + 64 c, c < cols: lane r = dword c of row r XOR flip, from 16 rows `stride` bytes apart (rows past `rows`: row 0
 // again, their lanes never read). A 16 x 16 transpose of dwords per 64 bytes of the rows: 8x faster than gathering
 // each column (vpgatherdd) on Zen 5, where the gathers had been a fifth of the Q8_0 GEMM's time. Each row is
