@@ -41,6 +41,7 @@ def loading_memory():
     libc = _glibc()
     if libc is not None:
         libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    release_file_pages()
     try:
         yield
     finally:
@@ -50,6 +51,53 @@ def loading_memory():
             libc.malloc_trim(0)
         if fused.available():
             fused.extension().use_block_range()
+        release_file_pages()
+
+
+_MADV_DONTNEED = 4
+
+
+def release_file_pages() -> int:
+    """Drops from this process's resident set the pages it maps of files read-only and has never written (their
+    contents are the file's): kB dropped. Importing torch runs code all over its libraries once (84 MB resident
+    after the imports, 48 MB of it libtorch_cpu's code), and a load reads the checkpoint's mapped bytes once;
+    without this those pages stay counted in the process's memory for its whole life. They remain in the page
+    cache, and the pages a run executes fault back in (~25 MB over a 0.8B model's first prefill and decode, on
+    this machine's minor faults; the Q4_K_M 0.8B model's peak RSS 842 -> 774 MB). Mappings with a page written
+    (a library's relocated data, made read-only afterwards: Private_Dirty) keep theirs, since dropping a
+    written private page would take its contents back to the file's. Off Linux: nothing."""
+    libc = _glibc()
+    try:
+        text = open("/proc/self/smaps").read()
+    except OSError:
+        return 0
+    if libc is None or not hasattr(libc, "madvise"):
+        return 0
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    dropped = 0
+    for span, perms, path, fields in _mappings(text):
+        clean = fields.get("Private_Dirty", 1) == 0 and fields.get("Anonymous", 1) == 0
+        if path.startswith("/") and "w" not in perms and clean and fields.get("Rss", 0) > 0:
+            start, end = span
+            if libc.madvise(start, end - start, _MADV_DONTNEED) == 0:
+                dropped += fields["Rss"]
+    return dropped
+
+
+def _mappings(smaps: str):
+    """(start, end), perms, path and the kB fields of each mapping in /proc/<pid>/smaps' text."""
+    entry = None
+    for line in smaps.splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) >= 5 and not parts[0].endswith(":"):  # "start-end perms offset dev inode [path]"
+            if entry is not None:
+                yield entry
+            start, end = (int(a, 16) for a in parts[0].split("-"))
+            entry = ((start, end), parts[1], parts[5] if len(parts) > 5 else "", {})
+        elif entry is not None and len(parts) >= 2 and parts[0].endswith(":") and parts[1].isdigit():
+            entry[3][parts[0][:-1]] = int(parts[1])
+    if entry is not None:
+        yield entry
 
 
 def _glibc():

@@ -1,13 +1,19 @@
-"""Weights in huge-page memory: ordinary tensors to every op, private to each, returned when freed."""
+"""Weights in huge-page memory: ordinary tensors to every op, private to each, returned when freed; file pages
+read once leave the resident set."""
 
+import ctypes
 import gc
+import hashlib
+import mmap
+import os
 import resource
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from deltaserve.loader.memory import _glibc, loading_memory, weight_empty
+from deltaserve.loader.memory import _glibc, _mappings, loading_memory, release_file_pages, weight_empty
 
 
 def _anon_huge_kb() -> int | None:
@@ -84,3 +90,60 @@ def test_after_loading_a_pass_reuses_the_memory_the_last_one_freed():
     for _ in range(5):
         layer_pass()
     assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 200
+
+
+def _resident_kb(address: int) -> int | None:
+    """Rss of the mapping holding address (/proc/self/smaps), None off Linux."""
+    try:
+        text = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return None
+    return next(f.get("Rss", 0) for (lo, hi), _, _, f in _mappings(text) if lo <= address < hi)
+
+
+def _written(path: Path, data: bytes) -> Path:
+    with open(path, "wb") as f:  # on disk: page-cache pages not yet written back count as dirty
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return path
+
+
+def test_pages_of_a_file_read_once_leave_the_resident_set(tmp_path):
+    """A read-only mapping of a file (as a checkpoint's, or a library's code) read through: its pages are dropped,
+    and reading it again gives the file's bytes."""
+    if _glibc() is None or not Path("/proc/self/smaps").exists():
+        pytest.skip("no /proc/self/smaps or no glibc here")
+    path = _written(tmp_path / "data.bin", os.urandom(8 << 20))
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        view = np.frombuffer(m, dtype=np.uint8)
+        try:
+            first = hashlib.sha256(view).hexdigest()  # every page read
+            address = view.ctypes.data
+            assert _resident_kb(address) >= 7 << 10
+            assert release_file_pages() >= 7 << 10
+            assert _resident_kb(address) == 0
+            assert hashlib.sha256(view).hexdigest() == first == hashlib.sha256(path.read_bytes()).hexdigest()
+        finally:
+            del view
+
+
+def test_a_read_only_mapping_with_written_pages_keeps_them(tmp_path):
+    """A library's relocated data is a private file mapping written and then made read-only: dropping its pages
+    would bring back the file's bytes, so it is left alone."""
+    libc = _glibc()
+    if libc is None or not Path("/proc/self/smaps").exists():
+        pytest.skip("no /proc/self/smaps or no glibc here")
+    path = _written(tmp_path / "data.bin", bytes(1 << 20))
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as m:
+        m[4096] = 7  # a private copy of that page
+        cell = ctypes.c_char.from_buffer(m)
+        address = ctypes.addressof(cell)
+        try:
+            assert libc.mprotect(address, len(m), mmap.PROT_READ) == 0
+            release_file_pages()
+            assert m[4096] == 7 and _resident_kb(address) > 0
+        finally:
+            libc.mprotect(address, len(m), mmap.PROT_READ | mmap.PROT_WRITE)
+            del cell
