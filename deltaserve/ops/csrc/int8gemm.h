@@ -243,7 +243,7 @@ inline void block32_rows(const Segments& seg, const uint8_t* base, int64_t s, in
 #if defined(__AVX2__) && !defined(__AVX512BW__)
 // decode on AVX2 (M <= kRows): each thread a run of output columns, taken a segment's part at a time, K-quant and
 // IQ4_XS rows by int8gemv_avx2.h's kernels (codes opened in registers as they stream in), Q4_0 / Q4_1 / Q5_0 / Q5_1
-// rows two blocks a vector (int8legacy_avx2.h rows_pairs), Q8_0 and IQ4_NL a block a vector (rows32_run). (No AVX2
+// and IQ4_NL rows two blocks a vector (int8legacy_avx2.h rows_pairs), Q8_0 a block a vector (rows32_run). (No AVX2
 // build holds rows in panels: those are the AVX-512 kernels' layout.)
 inline void decode_avx2(const Segments& seg, const uint8_t* base, const XBlock* xq, const q8::Q8Acts& x8, int64_t M,
                         int64_t K, float* y) {

@@ -195,7 +195,7 @@ inline Run32 file_run32_of(int64_t M) {
 }
 
 // y[m * ldy + r] = (row r of `rows` of a file, row_bytes apart) . activation row m of a, m < M <= kRows32, a block a
-// vector: the AVX2 build's decode of Q8_0 and IQ4_NL rows, the Skylake-SP build's (AVX-512 BW, no VNNI) gemv_direct
+// vector: the AVX2 build's decode of Q8_0 rows, the Skylake-SP build's (AVX-512 BW, no VNNI) gemv_direct
 inline void rows32_run(int64_t type, int64_t M, const uint8_t* row, int64_t rows, int64_t row_bytes, const Q8Acts& a,
                        float* y, int64_t ldy) {
   Run32 run = nullptr;
@@ -211,12 +211,14 @@ inline void rows32_run(int64_t type, int64_t M, const uint8_t* row, int64_t rows
   run(row, rows, row_bytes, a, y, ldy);
 }
 
-// -- decode of Q4_0, Q4_1, Q5_0 and Q5_1 rows, two blocks a vector ------------------------------------------------
+// -- decode of Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL rows, two blocks a vector -----------------------------------------
 // Their codes go in unsigned (q, not q - bias: no vpsignb), two blocks' halves side by side: lo holds elements 0..15
 // of blocks 2P and 2P + 1 (128-bit halves), hi their elements 16..31, against the activations laid out to match
 // (XPair a, b). The bias (8 or 16) comes off each int32 lane as bias x its 8 activations' sum, and the _1 types'
-// m x that sum goes in beside d x the lane. A run of rows a call. (Before: a block a vector, its codes signed, a
-// call a row: 36-57% of a read beside on the AMX Xeon's x86-64-v3 build; Q4_0 now 86-90%.)
+// m x that sum goes in beside d x the lane. IQ4_NL's codes index signed levels (up to 127 in size, so no bias
+// keeps a pair inside int16): |level| x the activations given the level's sign. A run of rows a call. (Before: a
+// block a vector, its codes signed, a call a row: 36-57% of a read beside on the AMX Xeon's x86-64-v3 build; Q4_0
+// now 86-90%.)
 
 // activation row pairs of blocks 2P, 2P + 1: a = elements 0..15 of each, b = 16..31; sum: the activations' sum over
 // the elements each int32 lane of vpmaddwd(lo . a + hi . b) covers (lane j < 4: block 2P's 4j .. 4j + 3 and
@@ -247,7 +249,9 @@ inline void pair_up(const Q8Acts& a, std::vector<XPair>& out) {
     }
 }
 
-inline bool pairs_decode(int64_t type) { return type == kq::Q4_0 || type == kq::Q4_1 || type == kq::Q5_0 || type == kq::Q5_1; }
+inline bool pairs_decode(int64_t type) {
+  return type == kq::Q4_0 || type == kq::Q4_1 || type == kq::Q5_0 || type == kq::Q5_1 || type == kq::IQ4_NL;
+}
 
 // the float16 values at b and b + step as [4 x b's | 4 x b + step's]
 inline __m256 two_halves(const uint8_t* b, int64_t step) {
@@ -277,10 +281,12 @@ template <int64_t TYPE, int MB>
 void rows_pairs(const uint8_t* row0, int64_t rows, int64_t row_bytes, const Q8Acts& a, const XPair* pairs, int64_t m0,
                 float* y, int64_t ldy) {
   constexpr bool one = TYPE == kq::Q4_1 || TYPE == kq::Q5_1, five = TYPE == kq::Q5_0 || TYPE == kq::Q5_1;
+  constexpr bool nl = TYPE == kq::IQ4_NL;
   constexpr int64_t bytes = kBytes32<TYPE>, qh_at = one ? 4 : 2, qs_at = qh_at + (five ? 4 : 0);
   constexpr int bias_shift = TYPE == kq::Q4_0 ? 3 : 4;  // x 8, x 16 (the _1 types have none)
   const int64_t nb = a.nb, np = nb / 2;
   const __m256i m4 = _mm256_set1_epi8(0xF);
+  const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kq::kIQ4Levels)));
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* row = row0 + r * row_bytes;
     __m256 acc[MB];
@@ -296,19 +302,29 @@ void rows_pairs(const uint8_t* row0, int64_t rows, int64_t row_bytes, const Q8Ac
         lo = _mm256_or_si256(lo, two_fifths(b + qh_at, bytes, false));
         hi = _mm256_or_si256(hi, two_fifths(b + qh_at, bytes, true));
       }
+      __m256i lo_mag = lo, hi_mag = hi;
+      if constexpr (nl) {  // the levels, signed; their magnitudes go in unsigned, their signs to the activations
+        lo = _mm256_shuffle_epi8(levels, lo), hi = _mm256_shuffle_epi8(levels, hi);
+        lo_mag = _mm256_abs_epi8(lo), hi_mag = _mm256_abs_epi8(hi);
+      }
 #pragma GCC unroll 4
       for (int m = 0; m < MB; ++m) {
         const XPair& x = pairs[(m0 + m) * np + P];
         const __m256i xa = _mm256_load_si256(reinterpret_cast<const __m256i*>(x.a));
         const __m256i xb = _mm256_load_si256(reinterpret_cast<const __m256i*>(x.b));
         const __m256i sum = _mm256_load_si256(reinterpret_cast<const __m256i*>(x.sum));
-        const __m256i start = one ? _mm256_setzero_si256() : _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sum, bias_shift));
+        const __m256i start = one || nl ? _mm256_setzero_si256() : _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sum, bias_shift));
+        __m256i dot;
+        if constexpr (nl) {  // signed levels: |level| x the activations given the level's sign
+          dot = _mm256_add_epi32(dot32(lo, lo_mag, xa), dot32(hi, hi_mag, xb));
+        } else {
 #if defined(__AVXVNNI__)
-        const __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(start, lo, xa), hi, xb);
+          dot = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(start, lo, xa), hi, xb);
 #else  // a pair of products at most 2 x 31 x 128: lo's and hi's pairs add up inside int16
-        const __m256i dot = _mm256_add_epi32(
-            start, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb)), _mm256_set1_epi16(1)));
+          dot = _mm256_add_epi32(
+              start, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb)), _mm256_set1_epi16(1)));
 #endif
+        }
         const __m256 dx = _mm256_load_ps(x.dx);
         if constexpr (one)  // (d dot + m sum) dx
           acc[m] = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), dw, _mm256_mul_ps(mw, _mm256_cvtepi32_ps(sum))), dx, acc[m]);
@@ -349,6 +365,7 @@ inline PairRows pair_rows_kernel(int64_t type, int64_t mb) {
     case kq::Q4_0: return pair_rows_of<kq::Q4_0>(mb);
     case kq::Q4_1: return pair_rows_of<kq::Q4_1>(mb);
     case kq::Q5_0: return pair_rows_of<kq::Q5_0>(mb);
+    case kq::IQ4_NL: return pair_rows_of<kq::IQ4_NL>(mb);
     default: return pair_rows_of<kq::Q5_1>(mb);
   }
 }
