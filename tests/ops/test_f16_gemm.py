@@ -1,7 +1,7 @@
 """The prefill GEMM of float16 weights (ops/csrc/f16gemm.h): float32 activations times the float16 weights as stored,
 summed in float32. Checked against float64 products of the same values: exactly where every partial sum is exact in
 float32, else within the bound of float32 summation; odd shapes cut every tile (rows of 6, columns of 64 and 256,
-k of 16 and 256) short."""
+k of 16, 128 and 256) short."""
 
 import pytest
 import torch
@@ -81,6 +81,18 @@ def test_threads_split_the_outputs_without_changing_them():
     assert torch.equal(one, three)
     bound = 700 * U32 * 1.001 * (x.double().abs() @ w.double().abs().T)
     assert bool(((one.double() - x.double() @ w.double().T).abs() <= bound).all())
+
+
+def test_more_rows_than_one_unit_sums_at_once():
+    """1,100 rows: more than a unit sums in its own buffer (512 rows), so the rows are split into units too, with N a
+    multiple of 1024 (y's rows alias in L1 there): the bits of the same rows taken 100 at a time, within the bound of
+    the float64 product."""
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(1100, 1000, generator=gen), (torch.randn(1024, 1000, generator=gen) * 0.05).half()
+    y = gemm(x, w)
+    assert torch.equal(y, torch.cat([gemm(x[i:i + 100], w) for i in range(0, 1100, 100)]))
+    bound = 1000 * U32 * 1.001 * (x.double().abs() @ w.double().abs().T)
+    assert bool(((y.double() - x.double() @ w.double().T).abs() <= bound).all())
 
 
 def test_bad_arguments_are_named():

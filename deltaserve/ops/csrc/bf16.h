@@ -203,11 +203,12 @@ struct PairFormat {
   using X = uint16_t;
   using P = uint16_t;
   static constexpr int kNV = 4;
-  static constexpr int64_t kMR = 6, kNR = 16 * kNV, kKC = 512, kNC = 256;  // a panel: 256 KB, as f16gemm.h's
+  static constexpr int64_t kMR = 6, kNR = 16 * kNV, kKC = 512, kNC = 256;  // a panel: 256 KB
   static int64_t even(int64_t k) { return (k + 1) & ~int64_t{1}; }
   static int64_t x_at(int64_t t, int64_t K, int64_t k0) { return t * kMR * even(K) + k0 * kMR; }
   static int64_t panel_at(int64_t j, int64_t kc) { return j * even(kc); }
   static int64_t panel_size() { return kKC * kNC; }
+  static constexpr bool kColumnsOuter = false;
   static int64_t x_size(int64_t M, int64_t K) { return (M + kMR - 1) / kMR * kMR * even(K); }
   using Scope = NoTiles;
 

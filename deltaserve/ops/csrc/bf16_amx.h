@@ -30,6 +30,7 @@ struct AmxFormat {
   static int64_t x_at(int64_t t, int64_t K, int64_t k0) { return t * kMR * r32(K) + k0 * kMR; }
   static int64_t panel_at(int64_t j, int64_t kc) { return j * r32(kc); }
   static int64_t panel_size() { return kKC * kNC; }
+  static constexpr bool kColumnsOuter = false;
   static int64_t x_size(int64_t M, int64_t K) { return (M + kMR - 1) / kMR * kMR * r32(K); }
 
   // x [M, K] rounded into xp (x_at's layout, missing rows and k zero)

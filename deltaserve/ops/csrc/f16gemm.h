@@ -27,13 +27,19 @@ namespace f16 {
 // 512 rows: 85-89% of the FMA peak a call, where 12 rows x 2 zmm (half the loads, twice the broadcasts) gave
 // 81-83%, 24 x 1 80-83%, 7 x 4 80-83%.
 constexpr int kNV = 4, kNR = 16 * kNV, kMR = 6;
+constexpr int64_t kKC = 128;  // k per block: a column tile's panel is kKC x kNR floats, 32 KB (in L1: panel_gemm.h)
+constexpr bool kColumnsOuter = true;
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int kNR = 16, kMR = 6;  // 2 ymm x 6 rows: 12 accumulators of the 16 registers
 #else
 constexpr int kNR = 16, kMR = 4;  // portable C++, vectorised by the compiler
 #endif
-constexpr int64_t kKC = 256;  // k per block: a row tile's block of x is kMR x kKC floats (6 KB with AVX-512)
-constexpr int64_t kNC = 256;  // columns per block: the widened panel is kKC x kNC floats (256 KB)
+#if !defined(__AVX512F__)
+// the AVX2 tile leaves its registers through memory (below): passing a column tile at a time measured no faster there
+constexpr int64_t kKC = 256;  // k per block: a row tile's block of x is kMR x kKC floats
+constexpr bool kColumnsOuter = false;
+#endif
+constexpr int64_t kNC = 256;  // columns per block: the widened panel is kKC x kNC floats (128 KB; AVX2 256 KB)
 static_assert(kNC % kNR == 0, "a block of columns is whole tiles: the panel holds kKC x kNC floats");
 
 // One stored value widened to float32: float16 (BF16 false) or bfloat16 (its bits are a float32's upper half)
@@ -223,6 +229,7 @@ struct Format {
   static int64_t x_at(int64_t t, int64_t K, int64_t k0) { return t * kMR * K + k0 * kMR; }
   static int64_t panel_at(int64_t j, int64_t kc) { return j * kc; }
   static int64_t panel_size() { return kKC * kNC; }
+  static constexpr bool kColumnsOuter = f16::kColumnsOuter;
   using Scope = NoTiles;
   static void pack_w(const uint16_t* w, int64_t K, int64_t n0, int64_t nc, int64_t k0, int64_t kc, float* bp) {
     f16::pack_w<BF16>(w, K, n0, nc, k0, kc, bp);
