@@ -81,7 +81,9 @@ def test_f16_hf_dir_keeps_float16(arch, tmp_path):
     norms = [p for n, p in kept.model.named_parameters() if n.endswith("norm.weight")]
     assert norms and all(p.dtype == torch.float32 for p in norms)
     ids = kept.tokenizer.encode("The weights are stored in half precision, the sums are not.")
-    torch.testing.assert_close(kept.score(ids), f32.score(ids), rtol=1e-5, atol=1e-5)
+    kept_logits, f32_logits = kept.score(ids), f32.score(ids)  # float32 sums in other orders (other kernels):
+    # measured 1.0e-5 and 1.6e-5 of the logits' std (qwen35, qwen35moe), where a wrong value moves them by ~1
+    assert (kept_logits - f32_logits).abs().max() < 5e-5 * f32_logits.std()
     a = kept.generate(ids, max_tokens=12, temperature=0, ignore_eos=True)
     b = f32.generate(ids, max_tokens=12, temperature=0, ignore_eos=True)
     assert a.token_ids == b.token_ids
