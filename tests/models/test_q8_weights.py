@@ -98,7 +98,8 @@ def test_int8_kernels_match_the_rounded_activations(rows, out_rows, K, prefill_p
     w, _ = q8_values(max(out_rows, 2), K, seed=rows + K)
     w = w[:out_rows].contiguous()
     p = quantize_q8(w)
-    x = torch.randn(rows, K) * torch.rand(rows, 1) * 3
+    gen = torch.Generator().manual_seed(1000 * rows + 10 * out_rows + K)
+    x = torch.randn(rows, K, generator=gen) * torch.rand(rows, 1, generator=gen) * 3
     x[0, 32:64] = 0  # a block of zeros: scale 0
     if rows > 2:
         x[2, 5] = 1e4  # an outlier takes its block's whole range
@@ -108,9 +109,12 @@ def test_int8_kernels_match_the_rounded_activations(rows, out_rows, K, prefill_p
     bound = 1e-5 * (xq.abs() @ w.double().abs().T) + 1e-30
     err = (y.double() - expected).abs()
     assert torch.all(err <= bound), f"worst {float((err / bound).max()):.2f}x the bound"
-    # and within half a step of every activation of the exact product
-    step = torch.from_numpy(np.repeat(np.abs(x.numpy()).reshape(rows, -1, 32).max(-1) / 127, 32, axis=1))
-    assert torch.all((y.double() - x.double() @ w.double().T).abs() <= 0.5 * step.double() @ w.double().abs().T + bound)
+    # and within half a step of every activation of the exact product, plus |q| <= 127 times the step's float16
+    # rounding: a block whose largest |x| is below 127 float16 normals (0.0078) keeps few of its step's bits
+    d = (np.abs(x.numpy()).reshape(rows, -1, 32).max(-1) / np.float32(127)).astype(np.float64)
+    off = 0.5 * d + 127 * np.abs(d - d.astype(np.float16).astype(np.float64))
+    off = torch.from_numpy(np.repeat(off, 32, axis=1))
+    assert torch.all((y.double() - x.double() @ w.double().T).abs() <= off @ w.double().abs().T + bound)
 
 
 @int8_kernels
