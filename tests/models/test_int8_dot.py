@@ -17,6 +17,7 @@ from deltaserve.ops import fused
 from tests.models.test_packed_weights import assert_matmul, packed_matrix
 from tests.models.test_q8_weights import q8_0_rounded
 from tests.builds import run_in_build, run_with
+from tests.loader.test_quants import F16_FIELDS, random_blocks
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="the C++ kernels did not build here")
 
@@ -123,6 +124,33 @@ def test_iq4_xs_largest_levels_and_activations_stay_exact(rows, prefill_path):
     assert float(ref.min()) == float(ref.max()) == pytest.approx(0.01 * 31 * -127, rel=1e-3)
     x = torch.ones(rows, K) * torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0)[:, None]
     assert_int8_matmul(run(x, w), x, ref)
+
+
+@pytest.mark.parametrize("panels", PANELS)
+@pytest.mark.parametrize("rows", [3, 11, 40], ids=lambda r: f"rows{r}")
+@pytest.mark.parametrize("qtype", INT8, ids=lambda t: t.name)
+def test_integer_sums_are_exact(qtype, rows, panels, prefill_path):
+    """Every float scale 1 (the weights' float16 d and dmin; each block of x holds +-127, so its Q8_K step is 1):
+    then every sum a kernel forms is an integer below 2^24, and y equals the float64 product exactly. One count off
+    in any integer sum shows here, where the bounds above (1e-5 of the sum of |products|) are wider than a count:
+    random codes and scales of both signs (Q3_K's and Q6_K's scales are signed), small activations."""
+    K, n = 768, 37
+    rng = np.random.default_rng(rows)
+    blocks = random_blocks(qtype, n * K // 256, rng)
+    for at in F16_FIELDS[qtype]:
+        blocks[:, at:at + 2] = np.ones(blocks.shape[0], dtype=np.float16).view(np.uint8).reshape(-1, 2)
+    ref = torch.from_numpy(gguf_quants.dequantize(blocks.reshape(n, -1), qtype).astype(np.float64))
+    w = packed.parameter(torch.from_numpy(blocks.reshape(-1).copy()), packed.Packing(((qtype, n),), (n, K)))
+    if panels:
+        if not packed.panels_here():
+            pytest.skip("this build's integer kernels read rows as the file holds them (no AVX-512)")
+        w = packed.to_panels(w)
+    x = rng.integers(-3, 4, size=(rows, K)).astype(np.float64)
+    x[:, ::256] = 127 * rng.choice([-1, 1], size=(rows, K // 256))
+    expected = torch.from_numpy(x) @ ref.T
+    assert float(expected.abs().max()) < 2 ** 24
+    y = run(torch.from_numpy(x).float(), w).double()
+    assert torch.equal(y, expected), f"{int((y != expected).sum())} outputs off, by up to {float((y - expected).abs().max())}"
 
 
 @pytest.mark.parametrize("panels", PANELS)

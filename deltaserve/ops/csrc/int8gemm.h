@@ -36,12 +36,36 @@ constexpr bool kPanelGemm = true;
 // spilled (-1% to +5%). x is quantised in groups of this many rows for it (xblock_at's group).
 constexpr int64_t kPanelRows = 10;
 
+// whether a type's codes times 16 activations fit in int16 (codes < 16, |x| <= 127: 16 x 15 x 127 = 30,480), so that
+// one vpdpwssd scales the 16 codes' int32 sums (their low halves) and adds them: 1 uop per 4 vpdpbusd, where vpmulld
+// and vpaddd per 32 codes take 3 per 8 (vpmulld is 2 uops on Intel). On the AMX Xeon's vpdpbusd path (DELTASERVE_AMX=0,
+// 256 x 6144 x 1024 and 256 x 1024 x 3584): Q4_K 1.03-1.07x, Q2_K and Q3_K 1.14-1.23x; the Q4_K_M 0.8B file's
+// prefill 1.03x. Q5_K's codes reach 31, Q6_K's 63, IQ4_XS's 241: they keep vpmulld.
+inline bool narrow_sums(int64_t type) { return type == Q2_K || type == Q3_K || type == Q4_K; }
+
+// Register helpers for panel_rows. Left to itself GCC keeps one zero register and copies it into each group's sums,
+// and puts each new block sum in another register and copies it back: 30 vector moves per 50 products and scalings,
+// which took issue slots (Q4_K scaled per 16 ran 0.96-0.99x the vpmulld per 32 with them).
+inline __m512i fresh_zero() {  // a zeroing idiom of its own (volatile: not merged with the others into one and copied)
+  __m512i z;
+  asm volatile("vpxord %0, %0, %0" : "=v"(z));
+  return z;
+}
+
+inline void add_scaled16(__m512i& acc, __m512i sums, __m512i sc) {  // acc += sums' low halves x sc's (vpdpwssd)
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(sums), "v"(sc));
+}
+
+inline void add_to(__m512i& acc, __m512i v) { asm("vpaddd %1, %0, %0" : "+v"(acc) : "v"(v)); }
+
 // y[m][0 .. 16) (stride ldy, `rows` lanes stored) = the panel's rows . activation rows m < MB (x: [nb][MB]). G: codes
-// per scale and offset: 32 for the per32 types (Q4_K, Q5_K, IQ4_XS), whose panels pair their offsets by 32, which halves
-// the multiplies by scales and offsets; 16 for the others.
-template <int MB, int G>
+// per offset: 32 for the per32 types (Q4_K, Q5_K, IQ4_XS), whose panels pair their offsets by 32, which halves the
+// multiplies by offsets; 16 for the others. Narrow (narrow_sums): the scales apply per 16 codes by vpdpwssd; else per G
+// by vpmulld.
+template <int MB, int G, bool Narrow>
 inline void panel_rows(const Panel* p, const XBlock* x, int64_t nb, float* y, int64_t ldy, int64_t rows) {
-  constexpr int kChunks = G / 4;  // vpdpbusd steps (4 codes a lane) per scale
+  constexpr int S = Narrow ? 16 : G;  // codes per scale step
+  constexpr int kChunks = S / 4;      // vpdpbusd steps (4 codes a lane) per scale step
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -50,18 +74,22 @@ inline void panel_rows(const Panel* p, const XBlock* x, int64_t nb, float* y, in
     __m512i blk[MB];
     for (int m = 0; m < MB; ++m) blk[m] = _mm512_setzero_si512();
 #pragma GCC unroll 1
-    for (int i = 0; i < 256 / G; ++i) {  // a group of G codes: one scale per row
+    for (int i = 0; i < 256 / S; ++i) {  // a group of S codes: one scale per row
       __m512i sub[MB];
-      for (int m = 0; m < MB; ++m) sub[m] = _mm512_setzero_si512();
+      for (int m = 0; m < MB; ++m) sub[m] = fresh_zero();
 #pragma GCC unroll 8
       for (int c = 0; c < kChunks; ++c) {
         const __m512i codes = _mm512_load_si512(pb.q[kChunks * i + c]);
 #pragma GCC unroll 16
         for (int m = 0; m < MB; ++m) sub[m] = dot4(sub[m], codes, xb[m].q + 4 * (kChunks * i + c));
       }
-      const __m512i sc = _mm512_load_si512(pb.sc[i * G / 16]);
+      __m512i sc = _mm512_load_si512(pb.sc[i * S / 16]);
+      if (Narrow) sc = _mm512_and_si512(sc, _mm512_set1_epi32(0xFFFF));  // (Q3_K's are signed: high halves of ones)
 #pragma GCC unroll 16
-      for (int m = 0; m < MB; ++m) blk[m] = _mm512_add_epi32(blk[m], _mm512_mullo_epi32(sub[m], sc));
+      for (int m = 0; m < MB; ++m) {
+        if (Narrow) add_scaled16(blk[m], sub[m], sc);
+        else add_to(blk[m], _mm512_mullo_epi32(sub[m], sc));
+      }
     }
     const __m512 d = _mm512_load_ps(pb.d), o = _mm512_load_ps(pb.o);
 #pragma GCC unroll 16
@@ -81,12 +109,13 @@ inline void panel_rows(const Panel* p, const XBlock* x, int64_t nb, float* y, in
   for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(y + m * ldy, keep, acc[m]);
 }
 
-template <int G>
+template <int G, bool Narrow>
 inline void panel_group(int64_t mb, const Panel* p, const XBlock* x, int64_t nb, float* y, int64_t ldy, int64_t rows) {
   using Fn = void (*)(const Panel*, const XBlock*, int64_t, float*, int64_t, int64_t);
-  static constexpr Fn by_rows[kPanelRows] = {panel_rows<1, G>, panel_rows<2, G>, panel_rows<3, G>, panel_rows<4, G>,
-                                             panel_rows<5, G>, panel_rows<6, G>, panel_rows<7, G>, panel_rows<8, G>,
-                                             panel_rows<9, G>, panel_rows<10, G>};
+  static constexpr Fn by_rows[kPanelRows] = {
+      panel_rows<1, G, Narrow>, panel_rows<2, G, Narrow>, panel_rows<3, G, Narrow>, panel_rows<4, G, Narrow>,
+      panel_rows<5, G, Narrow>, panel_rows<6, G, Narrow>, panel_rows<7, G, Narrow>, panel_rows<8, G, Narrow>,
+      panel_rows<9, G, Narrow>, panel_rows<10, G, Narrow>};
   by_rows[std::min<int64_t>(mb, kPanelRows) - 1](p, x, nb, y, ldy, rows);
 }
 
@@ -148,7 +177,8 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
       n32 = 0;
     };
     std::vector<std::pair<int64_t, int64_t>> open;  // the opened tiles' (first column, columns), all of one kind:
-    bool by32 = false, mins = false;  // scales per 32 (Q4_K, Q5_K, IQ4_XS; else 16), offsets at dmin (Q2_K, Q4_K, Q5_K)
+    // offsets per 32 (Q4_K, Q5_K, IQ4_XS; else 16), offsets at dmin (Q2_K, Q4_K, Q5_K), narrow_sums
+    bool by32 = false, mins = false, narrow = false;
     // the bytes of the next tiles to open (those of tile `from`'s segment), read into L2 while the open ones run: the
     // opening reads them in bursts, after which memory's prefetchers start cold (Q4_K_M gate_up on the Zen 5 at 17-128
     // rows: 6-9% less time; a 512-token prefill the same)
@@ -168,13 +198,15 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
       {
         const auto [p, bytes] = ahead(next);
         const int64_t groups = (M + group - 1) / group;
+        const auto rows_of = by32 ? (narrow ? panel_group<32, true> : panel_group<32, false>)
+                                  : (narrow ? panel_group<16, true> : panel_group<16, false>);
         for (int64_t g = 0; g < M; g += group) {
           if (p)
             for (int64_t o = bytes * (g / group) / groups / 64 * 64; o < bytes * (g / group + 1) / groups; o += 64)
               _mm_prefetch(reinterpret_cast<const char*>(p) + o, _MM_HINT_T1);
           for (size_t j = 0; j < open.size(); ++j)
-            (by32 ? panel_group<32> : panel_group<16>)(std::min<int64_t>(group, M - g), panels.data() + j * nb,
-                                                        xq + g * nb, nb, y + g * N + open[j].first, N, open[j].second);
+            rows_of(std::min<int64_t>(group, M - g), panels.data() + j * nb, xq + g * nb, nb, y + g * N + open[j].first, N,
+                    open[j].second);
         }
       }
       open.clear();
@@ -194,10 +226,11 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
         last32 = tile.rows;
         continue;
       }
-      const bool tile32s = per32(type), tile_mins = panel_bias(type) == 0;
-      if (!open.empty() && (tile32s != by32 || tile_mins != mins || open.size() == kOpen)) run(t);
+      const bool tile32s = per32(type), tile_mins = panel_bias(type) == 0, tile_narrow = narrow_sums(type);
+      if (!open.empty() && (tile32s != by32 || tile_mins != mins || tile_narrow != narrow || open.size() == kOpen)) run(t);
       by32 = tile32s;
       mins = tile_mins;
+      narrow = tile_narrow;
       Panel* p = panels.data() + open.size() * nb;
       if (tile.panel)
         for (int64_t b = 0; b < nb; ++b) open_row_panel(type, seg.row(base, tile.s, tile.n0, K), nb, b, p[b]);
