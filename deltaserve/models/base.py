@@ -8,7 +8,6 @@ its state (`state_sizes`), how a full-attention layer is called (`attend`) and i
 
 from __future__ import annotations
 
-import functools
 from abc import ABC, abstractmethod
 
 import torch
@@ -131,16 +130,12 @@ class HybridModel(nn.Module, ABC):
                                    snapshots)
             return out
 
-    @functools.cached_property
-    def pass_tokens(self) -> int:
-        """Tokens a cached forward pass takes at most, all rows together. A pass's activations are the memory it
-        takes beyond the weights and caches (at 512 tokens of a 0.8B model, 30 MB of a quantised file's 810 MB
-        peak), and each pass streams every matmul weight once: quantised weights (a byte or less each) stream
-        in a few percent of 256 tokens' arithmetic; 16- and 32-bit ones take 512 (passes of 256 cost a Zen 5
-        8-17% of a BF16 file's prefill and 3% of an F16 file's)."""
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
-        stored = sum(m.weight.nbytes for m in linears)
-        return 256 if stored <= 1.25 * sum(m.in_features * m.out_features for m in linears) else 512
+    # Tokens a cached forward pass takes at most, all rows together: a pass's activations are the memory it takes
+    # beyond the weights and caches (at 512 tokens of a 0.8B model, 30 MB of a quantised file's ~850 MB peak), and
+    # each pass streams every matmul weight once and opens the K-quants' panels once. Passes of 256 for quantised
+    # weights had cost the Q4_K_M 0.8B file 5-6% of its prefill on the AMX Xeon (2-8% on vpdpbusd), for 15 MB less
+    # peak RSS; passes of 256 cost a Zen 5 8-17% of a BF16 file's prefill and 3% of an F16 file's.
+    pass_tokens = 512
 
     def _cached(self, input_ids, state: HybridState, slots, logits: str, snapshots: int) -> torch.Tensor | None:
         """One pass of forward with a state (logits "none": a pass before the last, whose logits nobody reads)."""
