@@ -142,8 +142,14 @@ def kernel_rates(stream: int) -> list[dict]:
         rows.append(_decode_row("linear_int8 decode", qtype.name, calls, mats[0].nbytes, shares, stream))
         w = _matrix(qtype, N, _HIDDEN)
         xs, ys = torch.randn(M, _HIDDEN), torch.empty(M, N)
-        rows += _prefill_rows(ext, "linear_int8", qtype.name, lambda: ext.linear_int8(xs, w, w.packing.table, ys),
-                              M, N, "GOP/s", "int8_gops", "amx_int8_gops")
+        prefill = _prefill_rows(ext, "linear_int8", qtype.name, lambda: ext.linear_int8(xs, w, w.packing.table, ys),
+                                M, N, "GOP/s", "int8_gops", "amx_int8_gops")
+        # its blocks' scales and products alone (K-quants and IQ4_XS; 0 where vpdpbusd does not run)
+        bound = ext.probe_int8_format(300, 200, int(qtype)) / 1e9 if GGML_QUANT_SIZES[qtype][0] == 256 else 0
+        for row in prefill:
+            if row["peak"] == "int8_gops" and bound:
+                row["format_bound"] = bound
+        rows += prefill
     if ext.q8_int8():
         rows += _q8_rates(ext, M, N, stream)
     rows += _bf16_rates(ext, M, N, stream)
@@ -279,6 +285,9 @@ def format_report(r: dict) -> str:
                   f"  (threads' shares: {shares:,.1f})" if shares else "")
         share = (f"{k['rate'] / peak_of(k, p):6.0%} of a read beside" if k["peak"] == "read_beside" else
                  f"{k['rate'] / peak_of(k, p):6.0%} of peak" if k["peak"] else "  (its own ISA, not this build's)")
+        if k.get("format_bound"):  # the products' share the format's own scaling leaves (probe_int8_format)
+            beside += (f"  (the format's arithmetic alone, its scales included: {k['format_bound'] / peak_of(k, p):.0%} "
+                       f"of peak; the kernel at {k['rate'] / k['format_bound']:.0%} of it)")
         lines.append(f"  {k['kernel']:<23} {k['format']:<6} {k['shape']:>15} {k['seconds'] * 1e3:8.2f} ms "
                      f"{k['rate']:9,.1f} {k['unit']:<8} {share}{beside}")
     return "\n".join(lines)

@@ -36,6 +36,23 @@ def test_probes_give_rates_this_cpu_can_reach():
         ext.probe_read(torch.ones(300, dtype=torch.uint8), 1)
 
 
+def test_format_probes_stay_below_the_dot_product_peak():
+    """A K-quant's arithmetic (the dot products and its scales' instructions) runs no faster than the dot products
+    alone, and its per-16 vpdpwssd (Q4_K) no slower than vpmulld + vpaddd per 16 (Q6_K: a 2-uop multiply and an add
+    per 4 vpdpbusd, against one uop); 0 where the build has no vpdpbusd panels; 32-weight blocks are refused."""
+    ext = fused.extension()
+    rates = {q: ext.probe_int8_format(300, 50, int(q)) for q in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)}
+    if "vpdpbusd on 16-row panels" not in ext.int8_isa():
+        assert set(rates.values()) == {0.0}
+        return
+    peak = ext.probe_int8(20_000, 50)
+    for q, rate in rates.items():
+        assert 1e9 < rate <= 1.15 * peak, q
+    assert rates[Q.Q4_K] > rates[Q.Q6_K]
+    with pytest.raises(RuntimeError, match="not a K-quant or IQ4_XS"):
+        ext.probe_int8_format(10, 1, int(Q.Q8_0))
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_read_sum_is_the_sum_of_the_bytes(threads):
     """The bench's timed read pass reads every byte once, whatever share each thread takes (3 threads split 1,027
@@ -70,6 +87,8 @@ def test_bench_kernels_reports_rates_within_the_measured_peaks(tmp_path):
         # outside a native build runs on the CPU's widest vectors: at most twice the build's FMA peak
         peak = kernels.peak_of(k, r["peaks"]) if k["peak"] else 2 * r["peaks"]["fma_gflops"]
         assert 0 < k["rate"] <= 1.25 * peak, k
+        if "format_bound" in k:  # the format's own arithmetic: below the dot products' peak, above the kernel
+            assert k["rate"] <= 1.25 * k["format_bound"] <= 1.25 * 1.25 * peak, k
 
 
 def test_a_stream_below_a_megabyte_is_refused():

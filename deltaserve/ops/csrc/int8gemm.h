@@ -43,21 +43,6 @@ constexpr int64_t kPanelRows = 10;
 // prefill 1.03x. Q5_K's codes reach 31, Q6_K's 63, IQ4_XS's 241: they keep vpmulld.
 inline bool narrow_sums(int64_t type) { return type == Q2_K || type == Q3_K || type == Q4_K; }
 
-// Register helpers for panel_rows. Left to itself GCC keeps one zero register and copies it into each group's sums,
-// and puts each new block sum in another register and copies it back: 30 vector moves per 50 products and scalings,
-// which took issue slots (Q4_K scaled per 16 ran 0.96-0.99x the vpmulld per 32 with them).
-inline __m512i fresh_zero() {  // a zeroing idiom of its own (volatile: not merged with the others into one and copied)
-  __m512i z;
-  asm volatile("vpxord %0, %0, %0" : "=v"(z));
-  return z;
-}
-
-inline void add_scaled16(__m512i& acc, __m512i sums, __m512i sc) {  // acc += sums' low halves x sc's (vpdpwssd)
-  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(sums), "v"(sc));
-}
-
-inline void add_to(__m512i& acc, __m512i v) { asm("vpaddd %1, %0, %0" : "+v"(acc) : "v"(v)); }
-
 // y[m][0 .. 16) (stride ldy, `rows` lanes stored) = the panel's rows . activation rows m < MB (x: [nb][MB]). G: codes
 // per offset: 32 for the per32 types (Q4_K, Q5_K, IQ4_XS), whose panels pair their offsets by 32, which halves the
 // multiplies by offsets; 16 for the others. Narrow (narrow_sums): the scales apply per 16 codes by vpdpwssd; else per G

@@ -80,6 +80,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("to_panels", &deltaserve::kq::to_panels, "a packed matrix's K-quant rows rearranged into panels, in place");
   m.def("probe_fma", &deltaserve::probe_fma, "float32 FMAs per second, all threads (iters, reps)");
   m.def("probe_int8", &deltaserve::probe_int8, "int8 products per second, all threads (iters, reps)");
+  m.def("probe_int8_format", &deltaserve::probe_int8_format,
+        "int8 products per second in a K-quant's (or IQ4_XS's) prefill arithmetic, its scales included (iters, reps, "
+        "GGML type); 0 without AVX-512 VNNI");
   m.def("probe_bf16", &deltaserve::probe_bf16, "bfloat16 products per second as the bf16 kernels run them (iters, reps)");
   m.def("probe_amx_bf16", &deltaserve::probe_amx<false>, "bfloat16 products per second on AMX tiles, all threads; 0 without AMX");
   m.def("probe_amx_int8", &deltaserve::probe_amx<true>, "int8 products per second on AMX tiles, all threads; 0 without AMX");
