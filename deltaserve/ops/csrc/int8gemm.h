@@ -1,12 +1,13 @@
 // The prefill GEMM of K-quant weights on AVX-512 VNNI: 16 weight rows at a time opened into Panels (int8panel.h), so
 // that one vpdpbusd multiplies 4 codes of each of the 16 rows by the same 4 int8 activations (broadcast) and sums
-// them in its 16 int32 lanes, one lane per weight row. The per-16 scales then apply per lane (vpmulld, once per 16
-// codes), the offsets by vpdpwssd on (offset, offset) pairs against (bsum, bsum) pairs, and the float scales once
-// per block: per block and activation row, 64 vpdpbusd do 4096 multiply-adds, against 16 per 256 of the
-// row-at-a-time dot (int8dot.h), which stays the kernel of decode, of other ISAs, and of the panel's edges. Where AMX
-// runs (amx.h) the same Panels, their codes multiplied by their scales, are the tiles' weights (int8gemm_amx.h). A
-// thread opens up to 8 weight tiles at a time and passes every group of activation rows over all of them, so the
-// activations come from L1 / L2, not L3. linear_int8 below is the call (decode: panel_gemv.h's gemv_direct).
+// them in its 16 int32 lanes, one lane per weight row. The scales then apply per lane (vpdpwssd per 16 codes where
+// their sums fit int16, else vpmulld per 16 or 32: narrow_sums), the offsets by vpdpwssd on (offset, offset) pairs
+// against (bsum, bsum) pairs, and the float scales once per block: per block and activation row, 64 vpdpbusd do 4096
+// multiply-adds, against 16 per 256 of the row-at-a-time dot (int8dot.h), which stays the kernel of decode, of other
+// ISAs, and of the panel's edges. Where AMX runs (amx.h) the same Panels, their codes multiplied by their scales, are
+// the tiles' weights (int8gemm_amx.h). A thread opens up to 8 weight tiles at a time and passes every group of
+// activation rows over all of them, so the activations come from L1 / L2, not L3. linear_int8 below is the call
+// (decode: panel_gemv.h's gemv_direct).
 #pragma once
 #include <immintrin.h>
 
@@ -190,8 +191,8 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
             for (int64_t o = bytes * (g / group) / groups / 64 * 64; o < bytes * (g / group + 1) / groups; o += 64)
               _mm_prefetch(reinterpret_cast<const char*>(p) + o, _MM_HINT_T1);
           for (size_t j = 0; j < open.size(); ++j)
-            rows_of(std::min<int64_t>(group, M - g), panels.data() + j * nb, xq + g * nb, nb, y + g * N + open[j].first, N,
-                    open[j].second);
+            rows_of(std::min<int64_t>(group, M - g), panels.data() + j * nb, xq + g * nb, nb,
+                    y + g * N + open[j].first, N, open[j].second);
         }
       }
       open.clear();
@@ -212,7 +213,8 @@ inline void gemm_panels(const Segments& seg, const uint8_t* base, const XBlock* 
         continue;
       }
       const bool tile32s = per32(type), tile_mins = panel_bias(type) == 0, tile_narrow = narrow_sums(type);
-      if (!open.empty() && (tile32s != by32 || tile_mins != mins || tile_narrow != narrow || open.size() == kOpen)) run(t);
+      const bool other_kind = tile32s != by32 || tile_mins != mins || tile_narrow != narrow;
+      if (!open.empty() && (other_kind || open.size() == kOpen)) run(t);
       by32 = tile32s;
       mins = tile_mins;
       narrow = tile_narrow;
