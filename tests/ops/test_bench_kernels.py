@@ -38,8 +38,8 @@ def test_probes_give_rates_this_cpu_can_reach():
 
 def test_format_probes_stay_below_the_dot_product_peak():
     """A K-quant's arithmetic (the dot products and its scales' instructions) runs no faster than the dot products
-    alone, and its per-16 vpdpwssd (Q4_K) no slower than vpmulld + vpaddd per 16 (Q6_K: a 2-uop multiply and an add
-    per 4 vpdpbusd, against one uop); 0 where the build has no vpdpbusd panels; 32-weight blocks are refused."""
+    alone, and Q4_K's (a vpdpwssd per 4 vpdpbusd) faster than Q6_K's (vcvtdq2ps + vfmadd per 4); 0 where the build
+    has no vpdpbusd panels; 32-weight blocks are refused."""
     ext = fused.extension()
     rates = {q: ext.probe_int8_format(300, 50, int(q)) for q in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)}
     if "vpdpbusd on 16-row panels" not in ext.int8_isa():

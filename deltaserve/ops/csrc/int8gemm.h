@@ -1,7 +1,7 @@
 // The prefill GEMM of K-quant weights on AVX-512 VNNI: 16 weight rows at a time opened into Panels (int8panel.h), so
 // that one vpdpbusd multiplies 4 codes of each of the 16 rows by the same 4 int8 activations (broadcast) and sums
 // them in its 16 int32 lanes, one lane per weight row. The scales then apply per lane (vpdpwssd per 16 codes where
-// their sums fit int16, else vpmulld per 16 or 32: narrow_sums), the offsets by vpdpwssd on (offset, offset) pairs
+// their sums fit int16, else in float32 per 16 or 32: narrow_sums), the offsets by vpdpwssd on (offset, offset) pairs
 // against (bsum, bsum) pairs, and the float scales once per block: per block and activation row, 64 vpdpbusd do 4096
 // multiply-adds, against 16 per 256 of the row-at-a-time dot (int8dot.h), which stays the kernel of decode, of other
 // ISAs, and of the panel's edges. Where AMX runs (amx.h) the same Panels, their codes multiplied by their scales, are
@@ -41,13 +41,16 @@ constexpr int64_t kPanelRows = 10;
 // one vpdpwssd scales the 16 codes' int32 sums (their low halves) and adds them: 1 uop per 4 vpdpbusd, where vpmulld
 // and vpaddd per 32 codes take 3 per 8 (vpmulld is 2 uops on Intel). On the AMX Xeon's vpdpbusd path (DELTASERVE_AMX=0,
 // 256 x 6144 x 1024 and 256 x 1024 x 3584): Q4_K 1.03-1.07x, Q2_K and Q3_K 1.14-1.23x; the Q4_K_M 0.8B file's
-// prefill 1.03x. Q5_K's codes reach 31, Q6_K's 63, IQ4_XS's 241: they keep vpmulld.
+// prefill 1.03x. Q5_K's codes reach 31, Q6_K's 63, IQ4_XS's 241: their group sums are scaled in float32
+// (vcvtdq2ps + vfmadd, 2 uops, where vpmulld + vpaddd took 3: Q5_K, Q6_K and IQ4_XS GEMMs 1.02-1.11x). Each group's
+// product is exact in float32 (below 2^24: 16 x 63 x 127 x 128 for Q6_K); their sum over a block rounds where it
+// passes 2^24, as the int32 block sum's conversion did.
 inline bool narrow_sums(int64_t type) { return type == Q2_K || type == Q3_K || type == Q4_K; }
 
 // y[m][0 .. 16) (stride ldy, `rows` lanes stored) = the panel's rows . activation rows m < MB (x: [nb][MB]). G: codes
 // per offset: 32 for the per32 types (Q4_K, Q5_K, IQ4_XS), whose panels pair their offsets by 32, which halves the
 // multiplies by offsets; 16 for the others. Narrow (narrow_sums): the scales apply per 16 codes by vpdpwssd; else per G
-// by vpmulld.
+// in float32.
 template <int MB, int G, bool Narrow>
 inline void panel_rows(const Panel* p, const XBlock* x, int64_t nb, float* y, int64_t ldy, int64_t rows) {
   constexpr int S = Narrow ? 16 : G;  // codes per scale step
@@ -57,8 +60,12 @@ inline void panel_rows(const Panel* p, const XBlock* x, int64_t nb, float* y, in
   for (int64_t b = 0; b < nb; ++b) {
     const Panel& pb = p[b];
     const XBlock* xb = x + b * MB;
-    __m512i blk[MB];
-    for (int m = 0; m < MB; ++m) blk[m] = _mm512_setzero_si512();
+    __m512i blk[MB];  // the block's sums: Narrow int32, else float32
+    __m512 blkf[MB];
+    for (int m = 0; m < MB; ++m) {
+      if constexpr (Narrow) blk[m] = _mm512_setzero_si512();
+      else blkf[m] = _mm512_setzero_ps();
+    }
 #pragma GCC unroll 1
     for (int i = 0; i < 256 / S; ++i) {  // a group of S codes: one scale per row
       __m512i sub[MB];
@@ -69,12 +76,15 @@ inline void panel_rows(const Panel* p, const XBlock* x, int64_t nb, float* y, in
 #pragma GCC unroll 16
         for (int m = 0; m < MB; ++m) sub[m] = dot4(sub[m], codes, xb[m].q + 4 * (kChunks * i + c));
       }
-      __m512i sc = _mm512_load_si512(pb.sc[i * S / 16]);
-      if (Narrow) sc = _mm512_and_si512(sc, _mm512_set1_epi32(0xFFFF));  // (Q3_K's are signed: high halves of ones)
+      const __m512i sc = _mm512_load_si512(pb.sc[i * S / 16]);
+      if constexpr (Narrow) {
+        const __m512i sc16 = _mm512_and_si512(sc, _mm512_set1_epi32(0xFFFF));  // (Q3_K's are signed: high halves of ones)
 #pragma GCC unroll 16
-      for (int m = 0; m < MB; ++m) {
-        if (Narrow) add_scaled16(blk[m], sub[m], sc);
-        else add_to(blk[m], _mm512_mullo_epi32(sub[m], sc));
+        for (int m = 0; m < MB; ++m) add_scaled16(blk[m], sub[m], sc16);
+      } else {
+        const __m512 scf = _mm512_cvtepi32_ps(sc);
+#pragma GCC unroll 16
+        for (int m = 0; m < MB; ++m) blkf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sub[m]), scf, blkf[m]);
       }
     }
     const __m512 d = _mm512_load_ps(pb.d), o = _mm512_load_ps(pb.o);
@@ -87,7 +97,7 @@ inline void panel_rows(const Panel* p, const XBlock* x, int64_t nb, float* y, in
         off = _mm512_dpwssd_epi32(off, _mm512_load_si512(pb.off[i]), _mm512_set1_epi32(pair));
       }
       const __m512 dx = _mm512_set1_ps(xb[m].d);
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(blk[m]), _mm512_mul_ps(d, dx), acc[m]);
+      acc[m] = _mm512_fmadd_ps(Narrow ? _mm512_cvtepi32_ps(blk[m]) : blkf[m], _mm512_mul_ps(d, dx), acc[m]);
       acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(off), _mm512_mul_ps(o, dx), acc[m]);
     }
   }

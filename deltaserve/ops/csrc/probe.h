@@ -106,18 +106,25 @@ inline double probe_int8(int64_t iters, int64_t reps) {
 
 // int8 products per second on all threads in the arithmetic of GGML type `type`'s prefill kernel on vpdpbusd
 // (int8gemm.h panel_rows), operands in registers: 10 chains, and per chain and group of codes the scaling the format's
-// blocks need, one vpdpwssd per 16 codes (narrow_sums: Q2_K, Q3_K, Q4_K) or vpmulld + vpaddd per 32 (Q5_K, IQ4_XS)
-// or 16 (Q6_K). Beside probe_int8, the ceiling the format's scales leave its products on this CPU (0 without VNNI).
+// blocks need, one vpdpwssd per 16 codes (narrow_sums: Q2_K, Q3_K, Q4_K) or vcvtdq2ps + vfmadd per 32 (Q5_K,
+// IQ4_XS) or 16 (Q6_K). Beside probe_int8, the ceiling the format's scales leave its products on this CPU (0 without
+// VNNI).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 template <int Group, bool Narrow>
 inline double probe_scaled_as(int64_t iters, int64_t reps) {
   return per_thread_rate(reps, [&](int64_t) {
     constexpr int kChainsP = static_cast<int>(kq::kPanelRows);
     const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2), sc = _mm512_set1_epi32(5);
+    const __m512 scf = _mm512_set1_ps(5.f);
     __m512i total = _mm512_setzero_si512();
+    __m512 totalf = _mm512_setzero_ps();
     for (int64_t i = 0; i < iters; ++i) {  // a block of 256 codes, its sums in registers as in panel_rows (held
       __m512i blk[kChainsP];               // across the whole loop, GCC kept them in memory)
-      for (int m = 0; m < kChainsP; ++m) blk[m] = kq::fresh_zero();
+      __m512 blkf[kChainsP];
+      for (int m = 0; m < kChainsP; ++m) {
+        if constexpr (Narrow) blk[m] = kq::fresh_zero();
+        else blkf[m] = _mm512_setzero_ps();
+      }
 #pragma GCC unroll 1
       for (int g = 0; g < 256 / Group; ++g) {
         __m512i sub[kChainsP];
@@ -128,14 +135,17 @@ inline double probe_scaled_as(int64_t iters, int64_t reps) {
           for (int m = 0; m < kChainsP; ++m) sub[m] = _mm512_dpbusd_epi32(sub[m], a, b);
 #pragma GCC unroll 16
         for (int m = 0; m < kChainsP; ++m) {
-          if (Narrow) kq::add_scaled16(blk[m], sub[m], sc);
-          else kq::add_to(blk[m], _mm512_mullo_epi32(sub[m], sc));
+          if constexpr (Narrow) kq::add_scaled16(blk[m], sub[m], sc);
+          else blkf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sub[m]), scf, blkf[m]);
         }
       }
-      for (int m = 0; m < kChainsP; ++m) total = _mm512_add_epi32(total, blk[m]);
+      for (int m = 0; m < kChainsP; ++m) {
+        if constexpr (Narrow) total = _mm512_add_epi32(total, blk[m]);
+        else totalf = _mm512_add_ps(totalf, blkf[m]);
+      }
     }
-    const int32_t sink = _mm512_reduce_add_epi32(total);
-    asm volatile("" : : "r"(sink));
+    const float sink = static_cast<float>(_mm512_reduce_add_epi32(total)) + _mm512_reduce_add_ps(totalf);
+    asm volatile("" : : "x"(sink));
     return 2.0 * 64 * kChainsP * 64 * iters;  // 64 vpdpbusd a chain per block
   });
 }
