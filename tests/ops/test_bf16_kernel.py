@@ -41,7 +41,9 @@ def assert_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, round: boo
 
 
 @pytest.mark.parametrize("round", [True, False], ids=["rounded", "float32-activations"])
-@pytest.mark.parametrize("K", [80, 1024, 1031])  # 1031: two blocks of the prefill panels, the last pair half empty
+# 1031 and 4133: two blocks of k of the prefill panels (vdpbf16ps: 512 a block; AMX tiles: 4096), the last pair half
+# empty
+@pytest.mark.parametrize("K", [80, 1024, 1031, 4133])
 @pytest.mark.parametrize("N", [33, 1000])
 @pytest.mark.parametrize("M", [1, 3, 17, 63, 257])  # decode (<= 16 rows) and prefill, with edge tiles
 def test_matches_float64_product(M, N, K, round, prefill_path):
