@@ -307,36 +307,46 @@ inline void q8_amx_rows(const Q8Tile* const* w, int nt, const Q8Acts& a, int64_t
     const __m512 dw = _mm512_loadu_ps(w[j]->dw.data() + 16 * k);
     for (int64_t m = 0; m < mr; ++m) {
       const int64_t at = (m0 + m) * nb + k;
-      const __m512i sum = _mm512_add_epi32(_mm512_load_si512(s[j][m]), _mm512_set1_epi32(a.start[at]));
+      const __m512i sum = _mm512_load_si512(s[j][m]);
       const __m512 before = k ? _mm512_load_ps(out[j][m]) : _mm512_setzero_ps();
       _mm512_store_ps(out[j][m], _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[at])),
                                                  before));
     }
   };
+  // the sums start at the blocks' offsets (a.start: the weights' codes were flipped to unsigned), laid as a tile a
+  // block ahead: row m all a.start of activation row m (rows past mr zero)
+  alignas(64) int32_t starts[2][16][16];
+  auto lay_starts = [&](int64_t k) {
+    for (int64_t m = 0; m < 16; ++m)
+      _mm512_store_si512(starts[k & 1][m], _mm512_set1_epi32(m < mr ? a.start[(m0 + m) * nb + k] : 0));
+  };
+  lay_starts(0);
   for (int64_t k = 0; k < nb; ++k) {
+    const int32_t* st = &starts[k & 1][0][0];
     _tile_loadd(4, x + 32 * k, K);
-    _tile_zero(0);  // (tile numbers are immediates: each tile written out)
+    _tile_loadd(0, st, 64);  // (tile numbers are immediates: each tile written out)
     _tile_loadd(6, w[0]->q.data() + 8 * 64 * k, 64);
     _tile_dpbsud(0, 4, 6);
     if (k) scale(k - 1, 0);
     if (nt > 1) {
-      _tile_zero(1);
+      _tile_loadd(1, st, 64);
       _tile_loadd(7, w[1]->q.data() + 8 * 64 * k, 64);
       _tile_dpbsud(1, 4, 7);
       if (k) scale(k - 1, 1);
     }
     if (nt > 2) {
-      _tile_zero(2);
+      _tile_loadd(2, st, 64);
       _tile_loadd(6, w[2]->q.data() + 8 * 64 * k, 64);
       _tile_dpbsud(2, 4, 6);
       if (k) scale(k - 1, 2);
     }
     if (nt > 3) {
-      _tile_zero(3);
+      _tile_loadd(3, st, 64);
       _tile_loadd(7, w[3]->q.data() + 8 * 64 * k, 64);
       _tile_dpbsud(3, 4, 7);
       if (k) scale(k - 1, 3);
     }
+    if (k + 1 < nb) lay_starts(k + 1);
     auto& s = sums[k & 1];
     _tile_stored(0, s[0], 64);
     if (nt > 1) _tile_stored(1, s[1], 64);
