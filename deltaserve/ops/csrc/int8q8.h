@@ -286,8 +286,8 @@ constexpr int kQ8AmxTiles = 4;  // weight tiles a block's activations go to (q8_
 #if defined(DELTASERVE_AMX)
 // Prefill on AMX tiles where they run (amx.h): tdpbsud multiplies 16 activation rows' codes of a block (signed) by a
 // weight tile's 16 rows' codes (sign bit flipped: Q8Tile's q is already tdpbsud's weight tile, 8 rows x 64 bytes a
-// block) into 16 x 16 int32 sums; each block's sums leave the tile for its offset and scales, the same integer sums
-// and float operations as q8_tiles (the same bits). A block's activations, loaded once, go to up to kQ8AmxTiles weight
+// block) into 16 x 16 int32 sums, which start at the block's offsets (-128 x the activations' sum, for the flipped
+// bits) and leave the tile for its scales: the same integer sums and float operations as q8_tiles (the same bits). A block's activations, loaded once, go to up to kQ8AmxTiles weight
 // tiles in as many sum tiles (the activations read once per 64 weight rows, not per 16). Tiles: sums 0 .. 3,
 // activations 4 (16 x 32 bytes), weights 6, 7 (8 x 64 bytes).
 inline const amx::Config kQ8AmxConfig{{16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 32}, {16, 32}, {8, 64}, {8, 64}};
