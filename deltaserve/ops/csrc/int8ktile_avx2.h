@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "int8dot.h"
-#include "int8legacy_avx2.h"
+#include "int8tiles32_avx2.h"
 
 namespace deltaserve {
 namespace kq {

@@ -26,7 +26,7 @@
 #include "amx.h"
 #include "gemv.h"
 #include "int8dot.h"
-#include "int8legacy_avx2.h"
+#include "int8tiles32_avx2.h"
 #include "q8acts.h"
 #include "shares.h"
 #include "xrows.h"
