@@ -435,8 +435,7 @@ inline void linear_q8_int8(at::Tensor x, at::Tensor w, at::Tensor scale, at::Ten
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t n0 = 32 * t, rows = std::min<int64_t>(32, N - n0);
       tile.reset(kq::Q8_0, rows, K);
-      for (int64_t r = 0; r < rows; ++r) tile.open_q8(r, wp + (n0 + r) * K, sp + (n0 + r) * nb);
-      tile.run(a, yp + n0, N);
+      tile.run_q8(wp + n0 * K, sp + n0 * nb, a, yp + n0, N);
     }
   });
 #endif

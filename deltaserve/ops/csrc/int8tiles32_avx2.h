@@ -63,12 +63,13 @@ struct Rows32 {
 
   void reset(int64_t of_type, int64_t n, int64_t cols) {
     type = of_type, rows = n, K = cols;
-    const int64_t slots = (rows + 7) / 8 * 8;  // rows past the last: zero codes, their lanes never stored
-    rowwise.assign(slots * K, 0), c.resize(slots * K), d.assign(slots * K / 32, 0.f), m.assign(slots * K / 32, 0.f);
+    const int64_t slots = (rows + 7) / 8 * 8;  // rows past the last: zero codes (lay), their lanes never stored
+    c.resize(slots * K), d.assign(slots * K / 32, 0.f), m.assign(slots * K / 32, 0.f), rowwise.clear();
   }
 
   // row r (< rows) from a file's row of `type`
   void open(int64_t r, const uint8_t* row) {
+    rowwise.resize(rows * K);
     switch (type) {
       case kq::Q8_0: return open_as<kq::Q8_0>(r, row);
       case kq::Q4_0: return open_as<kq::Q4_0>(r, row);
@@ -80,21 +81,9 @@ struct Rows32 {
     TORCH_CHECK(false, "Rows32: GGML type ", type, " is not of 32-weight blocks");
   }
 
-  // row r from a Q8_0 matrix held as int8 codes [K] with float16 scales [K / 32] (models/layers.py quantize_q8)
-  void open_q8(int64_t r, const int8_t* codes, const at::Half* scales) {
-    std::memcpy(rowwise.data() + r * K, codes, K);
-    for (int64_t k = 0; k < K / 32; ++k) d[r / 8 * K / 4 + k * 8 + r % 8] = static_cast<float>(scales[k]);
-  }
-
-  // y[m][0 .. rows) (ldy apart) for every activation row m of a
+  // y[m][0 .. rows) (ldy apart) for every activation row m of a, the rows from open()
   void run(const Q8Acts& a, float* y, int64_t ldy) {
-    for (int64_t t = 0; t < rows; t += 8)
-      for (int64_t k = 0; k < K / 32; ++k) {  // block k of rows t .. t + 7 into 8 vectors of 4 codes x 8 rows
-        __m256i v[8];
-        for (int r = 0; r < 8; ++r) v[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rowwise.data() + (t + r) * K + 32 * k));
-        transpose8(v);
-        for (int j = 0; j < 8; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(c.data() + t * K + 256 * k + 32 * j), v[j]);
-      }
+    lay(rowwise.data());
     switch (type) {
       case kq::Q8_0: return run_as<kq::Q8_0>(a, y, ldy);
       case kq::Q4_0: return run_as<kq::Q4_0>(a, y, ldy);
@@ -105,7 +94,29 @@ struct Rows32 {
     }
   }
 
+  // the same for rows of a Q8_0 matrix held as int8 codes [rows][K] with float16 scales [rows][K / 32]
+  // (models/layers.py quantize_q8), laid out from where they lie
+  void run_q8(const int8_t* codes, const at::Half* scales, const Q8Acts& a, float* y, int64_t ldy) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < K / 32; ++k) d[r / 8 * K / 4 + k * 8 + r % 8] = static_cast<float>(scales[r * (K / 32) + k]);
+    lay(codes);
+    run_as<kq::Q8_0>(a, y, ldy);
+  }
+
  private:
+  // the `rows` rows of codes at rows_at (K apart) into the tiles c, per block of 8 rows 8 vectors of 4 codes x 8 rows
+  // (the last tile's rows past them zero)
+  void lay(const int8_t* rows_at) {
+    for (int64_t t = 0; t < rows; t += 8)
+      for (int64_t k = 0; k < K / 32; ++k) {
+        __m256i v[8];
+        for (int r = 0; r < 8; ++r)
+          v[r] = t + r < rows ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows_at + (t + r) * K + 32 * k)) : _mm256_setzero_si256();
+        transpose8(v);
+        for (int j = 0; j < 8; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(c.data() + t * K + 256 * k + 32 * j), v[j]);
+      }
+  }
+
   template <int64_t TYPE>
   void open_as(int64_t r, const uint8_t* row) {
     const int64_t nb = K / 32, at = r / 8 * K / 4 + r % 8;  // block k's d: d[at + 8 k]
