@@ -67,13 +67,17 @@ struct KTile8 {
   // all of xq read it from L3 at every tile where it outgrows L2: 512 x 3584 activations are 2 MB); STEPS: see the
   // top. NV 2 x MB 3 against 1 x 4 (same bits), 2 threads at 512 x 3584 x 1024: Q4_K 343-346 -> 366 GOP/s, Q3_K
   // 299-309 -> 335, IQ4_XS 207-208 -> 227-231; Q6_K's sums leave int16 every 2 steps, and its 12 sums of two tiles
-  // spilled there (286-299 -> 239-241), so it keeps one tile.
+  // spilled there (286-299 -> 239-241), so it keeps one tile. The float sums live in memory (once a block), which
+  // measured neutral for these and let IQ4_XS take 2 x 4.
   // SIGNED: codes are signed bytes (IQ4_XS's levels where int8dot.h's kIQ4Signed): |code| into vpmaddubsw, the
-  // activations given the code's sign (a pair of products then reaches 2 x 127 x 127: STEPS 1)
+  // activations given the code's sign (a pair of products then reaches 2 x 127 x 127: STEPS 1, each step's pairs
+  // widened into the row's sums at once); NV 2 x MB 4 against 2 x 3, calls alternating in one process: IQ4_XS
+  // 1.03-1.05x (61 x 200 x 1024 to 512 x 1024 x 3584), the IQ4_XS file's prefill 1.02-1.05x (the K-quants
+  // 0.97-1.03x, the Q4_K_M file's prefill 0.985-1.006x)
   // MINS32: offsets per 32 (off32 by the activations' bs32: half the vpmaddwd of off by bs)
   template <int STEPS, bool SIGNED = false, bool MINS32 = false>
   static void run(const KTile8* tiles, int64_t count, const XBlock* xq, int64_t M, float* y, int64_t ldy) {
-    constexpr int NV = STEPS == 2 ? 1 : 2, MB = NV == 2 ? 3 : 4;
+    constexpr int NV = STEPS == 2 ? 1 : 2, MB = NV == 2 && !SIGNED ? 3 : 4;
     for (int64_t g = 0; g < M; g += MB)
       for (int64_t t = 0; t < count; t += NV) {
         float* out = y + g * ldy + 8 * t;
@@ -99,6 +103,20 @@ struct KTile8 {
   template <int MB, int NV, int STEPS, bool SIGNED>
   static inline __attribute__((always_inline)) void add_steps(const KTile8* t, int64_t b, const XBlock* const* xb, int first,
                                                               int group, __m256i* s) {
+    if constexpr (SIGNED) {  // STEPS 1: each pair of products widened at once into its row's sum (no int16 sums)
+      for (int v = 0; v < NV; ++v) {
+        const __m256i cv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[v].q.data() + b * 2048 + first * 32));
+        const __m256i mag = _mm256_sign_epi8(cv, cv);
+        const __m256i scv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[v].sc.data() + b * 256 + group * 16));
+#pragma GCC unroll 4
+        for (int i = 0; i < MB; ++i) {
+          const __m256i sx = _mm256_sign_epi8(q8::broadcast4(xb[i]->q + 4 * first), cv);
+          s[i * NV + v] = _mm256_add_epi32(s[i * NV + v], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, sx), scv));
+          asm("" : "+x"(s[i * NV + v]));  // in step order
+        }
+      }
+      return;
+    }
     __m256i p[MB * NV];
     for (int i = 0; i < MB * NV; ++i) p[i] = _mm256_setzero_si256();
 #pragma GCC unroll 8
@@ -129,8 +147,7 @@ struct KTile8 {
   template <int MB, int NV, int STEPS, bool SIGNED, bool MINS32>
   static void rows_of(const KTile8* t, const XBlock* xq, int64_t M, int64_t m0, float* y, int64_t ldy) {
     const int64_t nb = t[0].nb;
-    __m256 acc[MB * NV];
-    for (int i = 0; i < MB * NV; ++i) acc[i] = _mm256_setzero_ps();
+    alignas(32) float acc[MB * NV][8] = {};  // in memory: the int32 sums fill the registers (touched once a block)
     for (int64_t b = 0; b < nb; ++b) {
       const XBlock* xb[MB];
       for (int i = 0; i < MB; ++i) xb[i] = xq + xblock_at(M, nb, m0 + i, b);
@@ -149,10 +166,13 @@ struct KTile8 {
         const int16_t* ob16 = MINS32 ? t[v].off32.data() + b * 64 : t[v].off.data() + b * 128;
 #pragma GCC unroll 4
         for (int i = 0; i < MB; ++i) {
-          __m256& a = acc[i * NV + v];
+          float* at = acc[i * NV + v];
           const __m256 dx = _mm256_set1_ps(xb[i]->d);
-          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i * NV + v]), _mm256_mul_ps(db, dx), a);
-          if constexpr (SIGNED) continue;  // IQ4_XS's levels: no offsets (o = 0)
+          __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i * NV + v]), _mm256_mul_ps(db, dx), _mm256_load_ps(at));
+          if constexpr (SIGNED) {  // IQ4_XS's levels: no offsets (o = 0)
+            _mm256_store_ps(at, a);
+            continue;
+          }
           __m256i offs = _mm256_setzero_si256();
           for (int p = 0; p < (MINS32 ? 4 : 8); ++p) {
             int32_t pair;
@@ -160,13 +180,13 @@ struct KTile8 {
             offs = _mm256_add_epi32(offs, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ob16 + p * 16)),
                                                             _mm256_set1_epi32(pair)));
           }
-          a = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(offs), _mm256_mul_ps(ob, dx), a);
+          _mm256_store_ps(at, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(offs), _mm256_mul_ps(ob, dx), a));
         }
       }
     }
     for (int v = 0; v < NV; ++v) {
       __m256 out[MB];
-      for (int i = 0; i < MB; ++i) out[i] = acc[i * NV + v];
+      for (int i = 0; i < MB; ++i) out[i] = _mm256_load_ps(acc[i * NV + v]);
       q8::store_lanes(out, MB, y + 8 * v, ldy, t[v].rows);
     }
   }
